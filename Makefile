@@ -1,0 +1,47 @@
+# precision-lab: `make reports` runs the main job from nothing, `make test` passes the tests from nothing.
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+
+VENV        := .venv
+PYTHON      := $(VENV)/bin/python
+LAB         := $(VENV)/bin/precision-lab
+# torch for a machine without a CUDA GPU; a torch already importable (e.g. your CUDA build) is kept
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+PARAMS      ?= params/seed.yaml
+KERNEL      := precision-lab
+
+.PHONY: help setup reports quick test bench clean
+
+help: ## show this help
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+setup: $(VENV)/.installed ## create .venv, install the package (editable) and register the Jupyter kernel
+
+$(VENV)/.installed: pyproject.toml
+	@if [ ! -x $(PYTHON) ]; then \
+	  if python3 -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then \
+	    echo "keeping the CUDA torch of $$(command -v python3) (venv with system site-packages)"; \
+	    python3 -m venv --system-site-packages $(VENV); \
+	  else python3 -m venv $(VENV); fi; \
+	fi
+	$(PYTHON) -m pip install -q --upgrade pip
+	@$(PYTHON) -c 'import torch' 2>/dev/null || $(PYTHON) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -q -e ".[test]"
+	$(PYTHON) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python (precision-lab)" >/dev/null
+	@touch $@
+
+reports: setup ## run the three experiments at the seed scale and render reports/latest/index.html
+	$(LAB) run --params $(PARAMS)
+
+quick: setup ## the same at small sizes (params/quick.yaml), for a look in a minute
+	$(LAB) run --params params/quick.yaml
+
+test: setup ## run the test suite (unit tests, notebooks with quick parameters, end-to-end checks)
+	$(PYTHON) -m pytest -q
+
+bench: setup ## print the benchmark ratios (float64 reference, cost of a diagnosis, algorithms)
+	$(LAB) bench
+
+clean: ## remove the virtual environment and build debris (keeps data/runs and reports)
+	rm -rf $(VENV) build *.egg-info

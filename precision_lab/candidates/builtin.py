@@ -1,0 +1,111 @@
+"""Built-in candidates: PyTorch native, precision emulation, and the motivating-case replay."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from .. import formats
+from ..layout import from_layout, to_layout
+from ..problem import WEIGHT_NAMES, Problem, Result, autograd_forward_backward, forward_backward
+from . import Candidate, register
+
+
+@contextlib.contextmanager
+def cuda_fp32_precision(mode: str):
+    """Set cuDNN/cuBLAS float32 precision to 'ieee' or 'tf32' for the block, restoring both after.
+
+    Uses the fp32_precision API of PyTorch ≥ 2.9 and falls back to allow_tf32 before it.
+    """
+    from ..conv.backends import native_flags
+
+    with native_flags(fp32_precision=mode):
+        yield
+
+
+def _native(tf32: bool):
+    def run(problem: Problem, precision: str, device: torch.device) -> Result:
+        if device.type != "cuda":
+            return autograd_forward_backward(problem, precision, device)
+        mode = "tf32" if tf32 and precision == "float32" else "ieee"
+        with cuda_fp32_precision(mode):
+            result = autograd_forward_backward(problem, precision, device)
+        result.meta.update(fp32_precision=mode, cudnn=torch.backends.cudnn.version())
+        return result
+
+    return run
+
+
+register(Candidate(
+    name="native",
+    description="PyTorch autograd on the device, float32 IEEE arithmetic (TF32 off on GPU)",
+    run=_native(tf32=False),
+))
+
+register(Candidate(
+    name="native-tf32",
+    description="PyTorch autograd on GPU with TF32 allowed (cuDNN's default), claimed as float32",
+    run=_native(tf32=True),
+    devices=("cuda",),
+    expected="reduced-precision", expected_detail="tf32",
+))
+
+
+def _tf32_emulated(problem: Problem, precision: str, device: torch.device) -> Result:
+    if precision == "float64":  # the recompiled build has no reduced-precision inputs
+        return forward_backward(problem, "float64", device)
+    return forward_backward(problem, "float32", device, round_inputs=lambda a: formats.round_to(a, "tf32"))
+
+
+register(Candidate(
+    name="tf32-emulated",
+    description="float32 arithmetic with every convolution operand rounded to TF32 (10 mantissa bits), claimed as float32",
+    run=_tf32_emulated,
+    expected="reduced-precision", expected_detail="tf32",
+))
+
+
+# --- the motivating case ----------------------------------------------------------------------
+# The seed's Fortran code stores weights (H, W, In, Out); cuDNN returns weight gradients
+# (Out, In, H, W); the code converts them back. The right conversion is a pure transpose
+# (cuDNN in CROSS_CORRELATION mode, as PyTorch); the slip adds a spatial flip.
+
+FORTRAN_LAYOUT = "HWIO"
+
+
+def _fortran_replay(flip_slip: bool):
+    def run(problem: Problem, precision: str, device: torch.device) -> Result:
+        # weights as the Fortran program holds them, converted to cuDNN's layout for the call
+        stored = {name: to_layout(problem.params[name], FORTRAN_LAYOUT) for name in WEIGHT_NAMES}
+        cudnn_params = dict(problem.params, **{name: from_layout(w, FORTRAN_LAYOUT) for name, w in stored.items()})
+        result = forward_backward(problem.with_params(cudnn_params), precision, device)
+        for name in WEIGHT_NAMES:
+            grad_oihw = result.grads[name]  # as cuDNN returns it: (Out, In, H, W)
+            if flip_slip:
+                grad_oihw = grad_oihw[:, :, ::-1, ::-1]
+            grad_fortran = to_layout(np.ascontiguousarray(grad_oihw), FORTRAN_LAYOUT)
+            # the lab reads the gradient back through the layout the program declares
+            result.grads[name] = from_layout(grad_fortran, FORTRAN_LAYOUT)
+        result.meta["weight_layout"] = FORTRAN_LAYOUT
+        return result
+
+    return run
+
+
+register(Candidate(
+    name="fortran-replay",
+    description="the seed's Fortran/cuDNN design (weights H,W,In,Out), gradient conversion right",
+    run=_fortran_replay(flip_slip=False),
+    weight_layout=FORTRAN_LAYOUT,
+    meta={"motivating_case": True},
+))
+
+register(Candidate(
+    name="fortran-replay-flip",
+    description="the seed's Fortran/cuDNN design with the conversion slip: a spatial flip on the weight gradients",
+    run=_fortran_replay(flip_slip=True),
+    weight_layout=FORTRAN_LAYOUT,
+    expected="layout", expected_detail="flip HW",
+    meta={"motivating_case": True},
+))

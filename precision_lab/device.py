@@ -1,0 +1,32 @@
+"""`device: auto` resolution and a one-line description of where a run happened."""
+from __future__ import annotations
+
+import platform
+
+import torch
+
+
+def resolve_device(spec: str = "auto") -> torch.device:
+    """'auto' → CUDA when a GPU is present, else CPU; 'cpu', 'cuda', 'cuda:1' as given."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {spec!r}: expected auto, cpu or cuda[:N]") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {spec!r} asked for, but this machine has no CUDA GPU (use device: auto or cpu)")
+    return device
+
+
+def describe_device(device: torch.device) -> dict:
+    """Device, its name, and the library versions that decide its kernels."""
+    info = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info.update(name=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                    cudnn=torch.backends.cudnn.version(),
+                    capability=".".join(map(str, torch.cuda.get_device_capability(device))))
+    else:
+        info.update(name=platform.processor() or platform.machine(),
+                    mkldnn=torch.backends.mkldnn.is_available())
+    return info
