@@ -1,0 +1,56 @@
+"""`precision-lab` command line: each subcommand lives in the module that does the work.
+
+Every module named here provides `configure(parser)` and `main(args) -> int`. Bad input
+raises LabInputError (or ValueError/FileNotFoundError subclasses the modules define): printed
+on one line, exit code 2; `--debug` shows the traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import LabInputError
+
+SUBCOMMANDS = {
+    "run": ("precision_lab.report", "run the notebooks with papermill and render the HTML reports"),
+    "rerun": ("precision_lab.rerun", "repeat an earlier run from its provenance (reports/<run-id>)"),
+    "diagnose": ("precision_lab.diagnose", "judge one candidate against the float64 reference; exit 0 only for roundoff"),
+    "export": ("precision_lab.export", "write a request bundle plus the float64 reference and its rounding bounds"),
+    "bench": ("precision_lab.bench", "print benchmark ratios (float64 reference, cost of a diagnosis, algorithms)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="precision-lab", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(module=module)
+        importlib.import_module(module).configure(sub_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not args.command:
+            parser.print_help()
+            return 2
+        return int(importlib.import_module(args.module).main(args) or 0)
+    except KeyboardInterrupt:
+        print("precision-lab: interrupted", file=sys.stderr)
+        return 130
+    except (LabInputError, ValueError, FileNotFoundError, PermissionError) as exc:
+        if debug:
+            raise
+        print(f"precision-lab: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
