@@ -1,0 +1,257 @@
+"""Command candidates: someone else's program, driven through bundles (DESIGN.md, "Exchange format").
+
+The candidate YAML::
+
+    name: my-impl
+    command: [./impl, "{request}", "{response}"]            # the build as claimed
+    command_float64: [./impl64, "{request}", "{response}"]  # optional: the float64 recompilation
+    precision: float32          # claimed arithmetic: float32|float64|tf32|bfloat16|float16
+    weight_layout: OIHW         # any permutation of O, I, H, W
+    timeout_s: 600
+    request_format: npz         # optional: npz (default) or raw (column-major .bin files)
+    env: {OMP_NUM_THREADS: "4"} # optional: extra environment variables (strings)
+
+Each call: the lab makes a fresh temporary working directory, writes the request bundle to
+`<tmp>/request/`, creates the empty `<tmp>/response/`, and runs the command there with no
+shell, the timeout, and the environment of `child_environment` (documented in docs/external.md).
+Placeholders in arguments: ``{request}``, ``{response}``, ``{candidate_dir}`` (the YAML's folder)
+and ``{python}`` (the lab's own Python). The program (first argument) resolves against the
+YAML's folder when it holds a "/" and on PATH otherwise; any other argument naming an existing
+path relative to the YAML's folder is made absolute (the command runs elsewhere).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from .. import formats
+from ..errors import LabInputError
+from ..layout import check_layout
+from ..problem import Problem, Result
+from . import Candidate, CandidateError
+
+KEYS = ("name", "description", "command", "command_float64", "precision", "weight_layout", "timeout_s",
+        "request_format", "env")
+REQUEST_FORMATS = ("npz", "raw")
+#: variables passed through from the lab's environment when set (the rest is not inherited)
+PASSTHROUGH_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES",
+                   "CUDA_HOME", "CUDA_PATH", "NVIDIA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "VIRTUAL_ENV",
+                   "CONDA_PREFIX", "SYSTEMROOT")
+#: characters of the command's stderr an error message shows (its end, where errors usually are)
+STDERR_TAIL = 1500
+
+
+class CommandCandidateError(CandidateError, LabInputError):
+    """A command candidate's YAML is wrong or its program failed: exit code 2 with this one line."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the YAML
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise CommandCandidateError(f"{path}: no such candidate file")
+    try:
+        spec = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise CommandCandidateError(f"{path}: not valid YAML ({' '.join(str(exc).split())})") from None
+    if not isinstance(spec, dict):
+        raise CommandCandidateError(f"{path}: expected a YAML mapping with keys {', '.join(KEYS)}")
+    unknown = sorted(set(map(str, spec)) - set(KEYS))
+    if unknown:
+        raise CommandCandidateError(f"{path}: unknown key {unknown[0]!r}: expected keys among {', '.join(KEYS)}")
+    return spec
+
+
+def _argv(path: Path, spec: dict, key: str) -> list[str] | None:
+    value = spec.get(key)
+    if value is None and key == "command_float64":
+        return None
+    if not isinstance(value, list) or not value or not all(isinstance(a, (str, int, float)) for a in value):
+        raise CommandCandidateError(f"{path}: key {key!r} must be a non-empty list of arguments, "
+                                    f"e.g. [./impl, \"{{request}}\", \"{{response}}\"] (no shell string)")
+    argv = [str(a) for a in value]
+    if not any("{response}" in a for a in argv):
+        raise CommandCandidateError(f"{path}: key {key!r} never mentions \"{{response}}\": the program must be told "
+                                    f"where to write its response")
+    return argv
+
+
+def _choice(path: Path, spec: dict, key: str, default: str, choices) -> str:
+    value = spec.get(key, default)
+    if value not in choices:
+        raise CommandCandidateError(f"{path}: key {key!r} is {value!r}, expected one of {', '.join(choices)}")
+    return value
+
+
+def _timeout(path: Path, spec: dict) -> float:
+    value = spec.get("timeout_s", 600)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise CommandCandidateError(f"{path}: key 'timeout_s' is {value!r}, expected a positive number of seconds")
+    return float(value)
+
+
+def _extra_env(path: Path, spec: dict) -> dict[str, str]:
+    env = spec.get("env") or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, (str, int, float)) for k, v in env.items()):
+        raise CommandCandidateError(f"{path}: key 'env' must map variable names to strings")
+    return {k: str(v) for k, v in env.items()}
+
+
+def load_command_candidate(path: str | Path) -> Candidate:
+    """A Candidate (family "command") from a candidate YAML; every key is checked here."""
+    path = Path(path).resolve()
+    spec = _read_yaml(path)
+    name = spec.get("name", path.stem)
+    if not isinstance(name, str) or not name.strip():
+        raise CommandCandidateError(f"{path}: key 'name' must be a non-empty string")
+    precision = _choice(path, spec, "precision", "float32", formats.PRECISIONS)
+    layout = spec.get("weight_layout", "OIHW")
+    try:
+        check_layout(layout)
+    except ValueError as exc:
+        raise CommandCandidateError(f"{path}: key 'weight_layout': {exc}") from None
+    program = CommandProgram(
+        yaml_path=path, name=name, claimed=precision, weight_layout=layout,
+        commands={"float32": _argv(path, spec, "command"), "float64": _argv(path, spec, "command_float64")},
+        timeout_s=_timeout(path, spec), raw=_choice(path, spec, "request_format", "npz", REQUEST_FORMATS) == "raw",
+        env=_extra_env(path, spec))
+    description = spec.get("description") or f"external program {' '.join(program.commands['float32'])}"
+    return Candidate(name=name, description=str(description), run=program.run, claimed_precision=precision,
+                     weight_layout=layout, family="command", has_float64=program.commands["float64"] is not None,
+                     meta={"yaml": str(path), "timeout_s": program.timeout_s})
+
+
+# ---------------------------------------------------------------------------------------------
+# running it
+
+
+def child_environment(extra: dict[str, str], workdir: Path, request: Path, response: Path,
+                      precision: str) -> dict[str, str]:
+    """The documented environment of a command: PASSTHROUGH_ENV, the lab's variables, the YAML's `env`."""
+    env = {key: os.environ[key] for key in PASSTHROUGH_ENV if key in os.environ}
+    env.setdefault("PATH", os.defpath)
+    env.update(TMPDIR=str(workdir), PRECISION_LAB_REQUEST=str(request), PRECISION_LAB_RESPONSE=str(response),
+               PRECISION_LAB_PRECISION=precision)
+    env.update(extra)
+    return env
+
+
+class CommandProgram:
+    """The command(s) of one candidate YAML and how to call them on a problem."""
+
+    def __init__(self, yaml_path: Path, name: str, claimed: str, weight_layout: str,
+                 commands: dict[str, list[str] | None], timeout_s: float, raw: bool, env: dict[str, str]):
+        self.yaml_path, self.name, self.claimed, self.weight_layout = yaml_path, name, claimed, weight_layout
+        self.commands, self.timeout_s, self.raw, self.env = commands, timeout_s, raw, env
+        self.folder = yaml_path.parent
+
+    def run(self, problem: Problem, precision: str, device: torch.device) -> Result:
+        from ..bundle import BundleError, read_response, result_from_bundle, write_request
+
+        # "float32" means the build as claimed (which may be tf32, bf16, …); "float64" the recompiled one
+        exchange_precision = self.claimed if precision == "float32" else "float64"
+        key = "float32" if precision == "float32" else "float64"
+        with tempfile.TemporaryDirectory(prefix="precision-lab-call-") as tmp:
+            workdir = Path(tmp)
+            request, response = workdir / "request", workdir / "response"
+            write_request(problem, request, exchange_precision, self.weight_layout, raw=self.raw)
+            response.mkdir()
+            argv = self.argv(self.commands[key], request, response, f"command{'_float64' if key == 'float64' else ''}")
+            env = child_environment(self.env, workdir, request, response, exchange_precision)
+            wall_s = self.call(argv, workdir, env)
+            try:
+                bundle = read_response(response, exchange_precision, self.weight_layout, problem.input.shape)
+            except BundleError as exc:
+                raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): bad response: "
+                                            f"{str(exc).replace(str(workdir), '<workdir>')}") from None
+            result = result_from_bundle(bundle)
+        result.meta.update(wall_s=wall_s, command=argv[0], exchange_precision=exchange_precision,
+                           weight_layout=self.weight_layout)
+        result.meta.pop("bundle", None)  # the temporary response folder is gone
+        return result
+
+    def argv(self, template: list[str], request: Path, response: Path, key: str) -> list[str]:
+        """The argument list with placeholders filled and relative paths made absolute."""
+        values = {"{request}": str(request), "{response}": str(response), "{candidate_dir}": str(self.folder),
+                  "{python}": sys.executable}
+        argv = []
+        for index, arg in enumerate(template):
+            for placeholder, value in values.items():
+                arg = arg.replace(placeholder, value)
+            argv.append(self._resolve(arg, first=index == 0, key=key))
+        return argv
+
+    def _resolve(self, arg: str, first: bool, key: str) -> str:
+        candidate_path = self.folder / arg
+        if first:
+            if os.sep in arg or "/" in arg:
+                program = candidate_path if not Path(arg).is_absolute() else Path(arg)
+                if not program.is_file():
+                    raise CommandCandidateError(f"{self.yaml_path}: key {key!r}: program {arg!r} not found "
+                                                f"(looked for {program})")
+                return str(program)
+            found = shutil.which(arg, path=os.environ.get("PATH", os.defpath))
+            if found is None:
+                raise CommandCandidateError(f"{self.yaml_path}: key {key!r}: command {arg!r} not found on PATH")
+            return found
+        if arg and not arg.startswith("-") and not Path(arg).is_absolute() and candidate_path.exists():
+            return str(candidate_path)
+        return arg
+
+    def call(self, argv: list[str], workdir: Path, env: dict[str, str]) -> float:
+        """Run the command (no shell, own process group); returns its wall time in seconds."""
+        stdout_path, stderr_path = workdir / "stdout.txt", workdir / "stderr.txt"
+        start = time.perf_counter()
+        with open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr:
+            try:
+                process = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
+                                           stderr=stderr, start_new_session=True)
+            except FileNotFoundError:
+                raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): command {argv[0]!r} not found") from None
+            except PermissionError:
+                raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): {argv[0]!r} is not "
+                                            f"executable (chmod +x it)") from None
+            except OSError as exc:
+                raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): cannot start {argv[0]!r} "
+                                            f"({exc.strerror or exc})") from None
+            try:
+                returncode = process.wait(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(process)
+                raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): command timed out after "
+                                            f"{self.timeout_s:g} s (key 'timeout_s'){_tail(stderr_path)}") from None
+            except BaseException:
+                _kill_group(process)  # Ctrl-C in the lab must not leave the program running
+                raise
+            finally:
+                _kill_group(process)  # children the program left behind in its group
+        if returncode != 0:
+            status = f"killed by signal {-returncode}" if returncode < 0 else f"exited with status {returncode}"
+            raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): command {status}{_tail(stderr_path)}")
+        return time.perf_counter() - start
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
+
+
+def _tail(stderr_path: Path) -> str:
+    """The end of the command's stderr, on one line (an error message is one line)."""
+    data = stderr_path.read_bytes()[-STDERR_TAIL:].decode("utf-8", "replace")
+    text = " | ".join(line.strip() for line in data.splitlines() if line.strip())
+    return f"; end of its stderr: {text}" if text else "; it wrote nothing to stderr"
