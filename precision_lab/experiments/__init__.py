@@ -1,0 +1,70 @@
+"""The diagnostic experiments, one module each; every one returns tidy pandas DataFrames.
+
+Shared plumbing lives here: resolving candidates for a device, a small cache of float64
+references (one per problem, so a notebook that asks twice pays once), and progress bars.
+"""
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..candidates import Candidate, CandidateError, resolve
+from ..device import resolve_device
+from ..problem import Problem, Trace, make_problem
+from ..reference import reference
+
+_REFERENCE_CACHE: "OrderedDict[tuple, Trace]" = OrderedDict()
+_REFERENCE_CACHE_SIZE = 2  # a float64 trace at 1024² holds ~1.5 GB: keep few
+
+
+def progress(iterable=None, **kwargs):
+    """A text progress bar on stderr (no widgets: they would not survive HTML rendering)."""
+    kwargs.setdefault("file", sys.stderr)
+    kwargs.setdefault("dynamic_ncols", True)
+    kwargs.setdefault("mininterval", 1.0)
+    return tqdm(iterable, **kwargs)
+
+
+def candidates_for(names: list[str], device: torch.device) -> tuple[list[Candidate], list[str]]:
+    """Resolve candidate specs; those the device cannot run are skipped with a note saying why."""
+    chosen, skipped = [], []
+    for name in names:
+        candidate = resolve(name)
+        if candidate.supports(device):
+            chosen.append(candidate)
+        else:
+            skipped.append(f"{candidate.name}: needs {' or '.join(candidate.devices)}, this run is on {device.type}")
+    if not chosen:
+        raise CandidateError(f"none of the candidates {names} can run on {device.type}")
+    return chosen, skipped
+
+
+def _problem_key(problem: Problem, device: torch.device) -> tuple:
+    digest = tuple(float(np.float64(v.sum())) for v in problem.params.values())
+    return (problem.size, problem.batch, problem.seed, problem.source, str(device), digest)
+
+
+def cached_reference(problem: Problem, device: torch.device) -> Trace:
+    """The float64 reference of `problem`, computed once per problem and device."""
+    key = _problem_key(problem, device)
+    if key not in _REFERENCE_CACHE:
+        _REFERENCE_CACHE[key] = reference(problem, device)
+        while len(_REFERENCE_CACHE) > _REFERENCE_CACHE_SIZE:
+            _REFERENCE_CACHE.popitem(last=False)
+    _REFERENCE_CACHE.move_to_end(key)
+    return _REFERENCE_CACHE[key]
+
+
+def setup(device: str = "auto", size: int = 1024, batch: int = 2, seed: int = 0,
+          image: str | None = None) -> tuple[torch.device, Problem]:
+    """What every notebook does first: resolve the device, build the problem."""
+    return resolve_device(device), make_problem(size, batch, seed, image)
+
+
+def summary_row(candidate: str, experiment: str, verdict: str, headline: str, **extra) -> dict:
+    """One row of a notebook's summary table (precision_lab.results.SUMMARY_COLUMNS first)."""
+    return {"candidate": candidate, "experiment": experiment, "verdict": verdict, "headline": headline, **extra}

@@ -1,0 +1,95 @@
+"""Experiment 02: float64 recompilation (DESIGN.md, "The three experiments" 2).
+
+Run each candidate's float32 build and its float64 build against the float64 reference.
+Rounding error scales with the unit roundoff, so recompiling in float64 shrinks it by about
+u64/u32 = 2⁻⁵³/2⁻²⁴ ≈ 1.9e-9 (times a modest factor when the two builds sum in different
+orders); a defect is arithmetic-independent and does not move.
+
+Classification of the ratio r = err64 / err32 per parameter: the two hypotheses predict
+r ≈ u64/u32 (rounding) and r ≈ 1 (defect); the boundary is their geometric midpoint on the
+log scale, √(u64/u32) ≈ 4.3e-5, equally far (×23 000) from both predictions.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ..candidates import Candidate
+from ..formats import unit_roundoff
+from ..problem import PARAM_NAMES, Problem
+from ..verdict import judge
+from . import cached_reference, progress, summary_row
+
+EXPERIMENT = "02-float64-recompilation"
+
+#: what rounding error predicts for err64 / err32
+EXPECTED_RATIO = unit_roundoff("float64") / unit_roundoff("float32")
+#: geometric midpoint between the rounding (u64/u32) and defect (1) predictions
+VANISH_THRESHOLD = math.sqrt(EXPECTED_RATIO)
+
+
+def _max_err(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(np.asarray(got, np.float64) - ref)))
+
+
+def recompilation_table(problem: Problem, candidates: list[Candidate], device: torch.device
+                        ) -> tuple[pd.DataFrame, dict[str, object], list[str]]:
+    """Per candidate × parameter: err32, err64 and their ratio; also each float32 judgement.
+
+    Returns (table, judgements by candidate, notes on candidates without a float64 build).
+    """
+    ref = cached_reference(problem, device)
+    rows, judgements, notes = [], {}, []
+    for candidate in progress(candidates, desc="02 float32 + float64 builds", unit="candidate"):
+        result32 = candidate.compute(problem, "float32", device)
+        judgements[candidate.name] = judge(result32, ref, candidate.claimed_precision, candidate.name)
+        result64 = candidate.compute(problem, "float64", device) if candidate.has_float64 else None
+        if result64 is None:
+            notes.append(f"{candidate.name} has no float64 build: without it the error cannot be shown to vanish "
+                         "with the arithmetic, so this experiment cannot tell rounding from a defect for it")
+        quantities = [("loss", np.float64(result32.loss), np.float64(ref.loss),
+                       None if result64 is None else np.float64(result64.loss))]
+        quantities += [(name, result32.grads[name], ref.grads[name],
+                        None if result64 is None else result64.grads[name]) for name in PARAM_NAMES]
+        for name, got32, want, got64 in quantities:
+            err32 = _max_err(got32, want)
+            err64 = math.nan if got64 is None else _max_err(got64, want)
+            ratio = err64 / err32 if err32 > 0 else math.nan
+            rows.append({"candidate": candidate.name, "quantity": name, "err32": err32, "err64": err64,
+                         "ratio": ratio, "expected_ratio_if_rounding": EXPECTED_RATIO,
+                         "finding": _finding(ratio, err32, err64)})
+    return pd.DataFrame(rows), judgements, notes
+
+
+def _finding(ratio: float, err32: float, err64: float) -> str:
+    if math.isnan(err64):
+        return "no float64 build"
+    if err32 == 0:
+        return "exact in float32" if err64 == 0 else "float64 build differs, float32 exact"
+    return "vanishes in float64" if ratio <= VANISH_THRESHOLD else "persists in float64"
+
+
+def summarise(table: pd.DataFrame, judgements: dict) -> pd.DataFrame:
+    """One row per candidate: verdict and headline for the index.
+
+    An error that persists in float64 is not rounding error, whatever its size: a candidate
+    the bound alone would call `roundoff` is then a `defect` (the lab never calls a bug rounding).
+    """
+    rows = []
+    for name, group in table.groupby("candidate", sort=False):
+        verdict = judgements[name].verdict
+        params = group[group.quantity != "loss"]
+        persists = params[params.finding == "persists in float64"]
+        if not persists.empty and verdict == "roundoff":
+            verdict = "defect"
+        if params.finding.eq("no float64 build").all():
+            headline = "no float64 build: ratio unavailable"
+        else:
+            worst = params.ratio.max()
+            headline = (f"err64/err32 ≤ {worst:.1e} (rounding predicts {EXPECTED_RATIO:.1e}); "
+                        + (f"persists in {', '.join(persists.quantity)}" if len(persists) else "vanishes everywhere"))
+        rows.append(summary_row(name, EXPERIMENT, verdict, headline, worst_ratio=float(params.ratio.max())))
+    return pd.DataFrame(rows)

@@ -1,0 +1,204 @@
+"""Experiment 01: single optimizer step comparison (DESIGN.md, "The three experiments" 1).
+
+The seed proposed "compare weights after one optimizer step". This experiment shows why that
+test proves little and what to compare instead:
+
+* **lr masking** — after SGD, w' = w − lr·g, so a gradient error δg moves w' by lr·δg while
+  |w'| ≈ |w|: the relative weight difference is the gradient's relative error times
+  lr·|g|/|w| (the masking factor), and wherever lr·|δg| is below half a float32 ulp of w' the
+  error is rounded away entirely;
+* **Adam's first step is sign-only** — with m̂₁ = g and v̂₁ = g² (Kingma & Ba 2015, Alg. 1),
+  the update is −lr·g/(|g| + ε) ≈ −lr·sign(g): any gradient with the right signs matches;
+* so compare **updates** (Δw), whose relative error equals the gradient's, and run k steps to see
+  whether the candidate's trajectory stays inside the envelope spanned by legitimate float32
+  implementations around the float64 trajectory.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ..candidates import Candidate
+from ..problem import PARAM_NAMES, Problem
+from ..reference import reference
+from ..verdict import judge
+from . import cached_reference, progress
+
+EXPERIMENT = "01-optimizer-step"
+
+#: an order-of-magnitude margin on the envelope: its edge is the maximum of a few legitimate
+#: members, and the sample maximum of a handful of draws underestimates the spread's tail
+ENVELOPE_MARGIN = 10.0
+
+
+def _sup_rel(a: np.ndarray, b: np.ndarray) -> float:
+    """‖a − b‖∞ / ‖b‖∞ in float64 (0 when both vanish)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = float(np.max(np.abs(b)))
+    return float(np.max(np.abs(a - b))) / scale if scale > 0 else float(np.max(np.abs(a - b)))
+
+
+def _optimizer_step(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], dtype: torch.dtype,
+                    optimizer: str, lr: float) -> dict[str, np.ndarray]:
+    """One step of torch.optim.SGD or Adam (default betas, ε) on copies of `params`, in `dtype`."""
+    tensors = {name: torch.tensor(np.asarray(params[name]), dtype=dtype) for name in PARAM_NAMES}
+    for name, tensor in tensors.items():
+        tensor.grad = torch.tensor(np.asarray(grads[name]), dtype=dtype)
+    opt_class = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
+    opt_class(list(tensors.values()), lr=lr).step()
+    return {name: tensor.detach().numpy() for name, tensor in tensors.items()}
+
+
+def single_step(problem: Problem, candidates: list[Candidate], device: torch.device,
+                lr: float = 0.01, adam_lr: float = 1e-3) -> tuple[pd.DataFrame, dict]:
+    """Per candidate × parameter: gradient, weight and update errors after one SGD and one Adam step.
+
+    Returns the table and each candidate's judgement of its gradients (precision_lab.verdict).
+    """
+    ref = cached_reference(problem, device)
+    w0 = problem.params
+    ref_sgd = _optimizer_step(w0, ref.grads, torch.float64, "sgd", lr)
+    ref_adam = _optimizer_step(w0, ref.grads, torch.float64, "adam", adam_lr)
+    rows, judgements = [], {}
+    for candidate in progress(candidates, desc="01 one step", unit="candidate"):
+        result = candidate.compute(problem, "float32", device)
+        judgements[candidate.name] = judge(result, ref, candidate.claimed_precision, candidate.name)
+        cand_sgd = _optimizer_step(w0, result.grads, torch.float32, "sgd", lr)
+        cand_adam = _optimizer_step(w0, result.grads, torch.float32, "adam", adam_lr)
+        for name in PARAM_NAMES:
+            g, g_ref = np.asarray(result.grads[name], np.float64), ref.grads[name]
+            w_new, w_new_ref = cand_sgd[name].astype(np.float64), ref_sgd[name]
+            # the update as the optimizer forms it (lr·g in the candidate's float32), before it is added
+            update = (np.float32(lr) * np.asarray(result.grads[name], np.float32)).astype(np.float64)
+            update_ref = lr * g_ref
+            # gradient error as it would move the weights, against half a float32 ulp of w'
+            half_ulp = np.spacing(np.abs(w_new_ref).astype(np.float32)).astype(np.float64) / 2
+            visible = lr * np.abs(g - g_ref) > half_ulp
+            adam_update = cand_adam[name].astype(np.float64) - w0[name]
+            adam_update_ref = ref_adam[name] - w0[name]
+            rows.append({
+                "candidate": candidate.name, "parameter": name,
+                "grad_rel_err": _sup_rel(g, g_ref),
+                "sgd_update_rel_err": _sup_rel(update, update_ref),
+                "sgd_weight_rel_err": _sup_rel(w_new, w_new_ref),
+                # w' − w read back from stored float32 weights: storage rounding swamps small errors
+                "sgd_stored_update_rel_err": _sup_rel(w_new - w0[name], w_new_ref - w0[name]),
+                "masking_factor": float(lr * np.max(np.abs(g_ref)) / np.max(np.abs(w_new_ref))),
+                "error_visible_in_weights": float(np.mean(visible)),
+                "adam_update_rel_err": _sup_rel(adam_update, adam_update_ref),
+                # |Adam step| / adam_lr − 1 for the reference: 0 means the first step is lr·sign(g)
+                "adam_sign_only": float(np.max(np.abs(np.abs(adam_update_ref) / adam_lr - 1.0))),
+                # elements whose Adam step matches the reference's to 0.1% of lr, whatever the gradient error
+                "adam_identical_fraction": float(np.mean(np.abs(adam_update - adam_update_ref) <= 1e-3 * adam_lr)),
+                "sign_agreement": float(np.mean(np.sign(g) == np.sign(g_ref))),
+            })
+    return pd.DataFrame(rows), judgements
+
+
+def _trajectory(step_fn, problem: Problem, steps: int, lr: float, dtype: torch.dtype, label: str):
+    """Run `steps` SGD steps from the problem's weights; yields (step, loss, weights) before each step."""
+    params = {name: np.asarray(v, np.float64 if dtype == torch.float64 else np.float32)
+              for name, v in problem.params.items()}
+    records = []
+    for step in progress(range(steps + 1), desc=f"01 trajectory {label}", unit="step", leave=False):
+        result = step_fn(params)
+        records.append((step, result.loss, {k: np.asarray(v, np.float64) for k, v in params.items()}))
+        if step < steps:
+            params = _optimizer_step(params, result.grads, dtype, "sgd", lr)
+    return records
+
+
+def trajectories(problem: Problem, candidates: list[Candidate], envelope: list[Candidate],
+                 device: torch.device, steps: int = 20, lr: float = 0.01) -> pd.DataFrame:
+    """k SGD steps for every candidate and envelope member, against the float64 trajectory.
+
+    Rows: member × step with loss, loss difference to float64 and the relative weight distance
+    ‖w − w_ref‖₂ / ‖w_ref‖₂ over all parameters; `role` says candidate, envelope or both.
+    """
+    def ref_step(params):
+        # the float64 trajectory: float64 weights, no rounding to float32 between steps
+        return reference(Problem(problem.input, problem.target, params, problem.seed, problem.source), device)
+
+    ref_records = _trajectory(ref_step, problem, steps, lr, torch.float64, "float64")
+    members = {c.name: c for c in envelope} | {c.name: c for c in candidates}
+    envelope_names = {c.name for c in envelope}
+    candidate_names = {c.name for c in candidates}
+    rows = []
+    for name, member in progress(members.items(), desc="01 trajectories", unit="member"):
+        def cand_step(params, member=member):
+            return member.compute(problem.with_params(params), "float32", device)
+
+        records = _trajectory(cand_step, problem, steps, lr, torch.float32, name)
+        for (step, loss, weights), (_, ref_loss, ref_weights) in zip(records, ref_records):
+            diff = np.sqrt(sum(np.sum((weights[k] - ref_weights[k]) ** 2) for k in PARAM_NAMES))
+            norm = np.sqrt(sum(np.sum(ref_weights[k] ** 2) for k in PARAM_NAMES))
+            role = "both" if name in envelope_names and name in candidate_names else (
+                "envelope" if name in envelope_names else "candidate")
+            rows.append({"member": name, "role": role, "step": step, "loss": loss, "loss_ref": ref_loss,
+                         "loss_diff": loss - ref_loss, "weight_distance": float(diff / norm)})
+    return pd.DataFrame(rows)
+
+
+def envelope_verdicts(traj: pd.DataFrame) -> pd.DataFrame:
+    """Is each candidate's trajectory inside the envelope (× ENVELOPE_MARGIN) at every step?"""
+    env = traj[traj.role.isin(["envelope", "both"])].groupby("step").agg(
+        envelope_distance=("weight_distance", "max"), envelope_loss_diff=("loss_diff", lambda s: s.abs().max()))
+    rows = []
+    for name, group in traj[traj.role.isin(["candidate", "both"])].groupby("member", sort=False):
+        merged = group.set_index("step").join(env)
+        moved = merged.index > 0  # step 0 has identical weights for everyone
+        excess = (merged.weight_distance[moved] / merged.envelope_distance[moved].clip(lower=1e-300)).max()
+        rows.append({"candidate": name, "final_weight_distance": float(merged.weight_distance.iloc[-1]),
+                     "final_envelope_distance": float(merged.envelope_distance.iloc[-1]),
+                     "max_distance_over_envelope": float(excess),
+                     "inside_envelope": bool(excess <= ENVELOPE_MARGIN)})
+    return pd.DataFrame(rows)
+
+
+def lr_masking_summary(step_table: pd.DataFrame) -> pd.DataFrame:
+    """One line per candidate: worst gradient error and what the weight and Adam comparisons show of it."""
+    grouped = step_table.groupby("candidate", sort=False)
+    return pd.DataFrame({
+        "grad_rel_err": grouped.grad_rel_err.max(),
+        "sgd_update_rel_err": grouped.sgd_update_rel_err.max(),
+        "sgd_weight_rel_err": grouped.sgd_weight_rel_err.max(),
+        "sgd_stored_update_rel_err": grouped.sgd_stored_update_rel_err.max(),
+        "weights_hide_by": grouped.apply(lambda g: float(np.max(g.grad_rel_err) / max(np.max(g.sgd_weight_rel_err), 1e-300)),
+                                         include_groups=False),
+        "error_visible_in_weights": grouped.error_visible_in_weights.mean(),
+        "adam_update_rel_err": grouped.adam_update_rel_err.max(),
+        "adam_identical_fraction": grouped.adam_identical_fraction.min(),
+        "sign_agreement": grouped.sign_agreement.min(),
+    }).reset_index()
+
+
+def findings(masking: pd.DataFrame, lr: float, adam_lr: float) -> list[str]:
+    """Plain-text sentences putting numbers on the masking (printed, so nbconvert escapes them)."""
+    lines = []
+    for row in masking.itertuples():
+        lines.append(
+            f"{row.candidate}: gradient error {row.grad_rel_err:.2e} (relative); after one SGD step (lr={lr}) the "
+            f"weights differ by {row.sgd_weight_rel_err:.2e}, {row.weights_hide_by:.0f}× smaller, and only "
+            f"{100 * row.error_visible_in_weights:.1f}% of the error survives float32 rounding of the weights; "
+            f"the update lr·g differs by {row.sgd_update_rel_err:.2e}, the gradient's own error. "
+            f"Adam's first step (lr={adam_lr}) is identical to float64 in {100 * row.adam_identical_fraction:.1f}% "
+            f"of elements, because it is lr·sign(g): sign agreement {100 * row.sign_agreement:.1f}%.")
+    return lines
+
+
+def summarise(judgements: dict, masking: pd.DataFrame, envelope: pd.DataFrame | None) -> pd.DataFrame:
+    """One row per candidate for the index: the gradient verdict, the update error and the trajectory."""
+    rows = []
+    inside = {} if envelope is None else envelope.set_index("candidate").inside_envelope.to_dict()
+    for row in masking.itertuples():
+        trajectory = ("" if row.candidate not in inside else
+                      "; trajectory inside the float32 envelope" if inside[row.candidate] else
+                      "; trajectory leaves the float32 envelope")
+        headline = (f"update error {row.sgd_update_rel_err:.1e} vs weight error {row.sgd_weight_rel_err:.1e} "
+                    f"(weights hide it {row.weights_hide_by:.0f}×){trajectory}")
+        rows.append({"candidate": row.candidate, "experiment": EXPERIMENT,
+                     "verdict": judgements[row.candidate].verdict, "headline": headline,
+                     "update_rel_err": row.sgd_update_rel_err, "weight_rel_err": row.sgd_weight_rel_err,
+                     "inside_envelope": inside.get(row.candidate)})
+    return pd.DataFrame(rows)

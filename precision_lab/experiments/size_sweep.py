@@ -1,0 +1,113 @@
+"""Experiment 03: size sweep 64 → 1024 (DESIGN.md, "The three experiments" 3).
+
+A weight or bias gradient of the seed network sums n = batch·H·W terms. Each error source has
+a signature in how the error scales with n, once measured against S = Σ|terms| (MSE gradients
+cancel heavily, so |g| is the wrong yardstick for rounding):
+
+* float32 accumulation: err/(u·S) grows like √n for recursive summation with random-like
+  rounding (Higham & Mary 2019) and like log₂n for pairwise or blocked sums (Higham 2002, §4.2);
+  worst case n (the deterministic γₙ bound, Higham 2002, Lemma 3.1);
+* input rounding of a coarser format (TF32, bf16): each term carries a relative error ~u_in with
+  independent signs, so err ~ u_in·√(Σ terms²), which *shrinks* relative to u·S as n grows;
+* a defect is a different function, so its error stays O(1) relative to |g| at every size.
+
+The fitted exponent α of err/(u·S) ∝ n^α and of err/|g| ∝ n^β sorts these out.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .. import errmodel
+from ..candidates import Candidate
+from ..formats import unit_roundoff
+from ..problem import PARAM_NAMES, make_problem
+from ..verdict import judge
+from . import cached_reference, progress, summary_row
+
+EXPERIMENT = "03-size-sweep"
+
+#: a defect's error relative to |g| stays O(1): flagged above ten times the coarsest format's unit
+#: roundoff (bfloat16, 2⁻⁸) at every size, which no rounding mode the lab knows reaches
+DEFECT_REL_TO_GRAD = 10 * unit_roundoff("bfloat16")
+
+
+def sweep(sizes: list[int], candidates: list[Candidate], device: torch.device, batch: int = 2, seed: int = 0,
+          image: str | None = None) -> pd.DataFrame:
+    """Per size × candidate × gradient: errors against S, |g| and the model's bound."""
+    rows = []
+    u32 = unit_roundoff("float32")
+    for size in progress(sizes, desc="03 sizes", unit="size"):
+        problem = make_problem(size, batch, seed, image)
+        ref = cached_reference(problem, device)
+        abs_sums = errmodel.abs_term_sums(ref)
+        n = batch * size * size
+        for candidate in progress(candidates, desc=f"03 size {size}", unit="candidate", leave=False):
+            result = candidate.compute(problem, "float32", device)
+            judgement = judge(result, ref, candidate.claimed_precision, candidate.name)
+            for name in PARAM_NAMES:
+                err = np.abs(np.asarray(result.grads[name], np.float64) - ref.grads[name])
+                s = np.asarray(abs_sums[name], np.float64)
+                live = s > 0
+                quantity = judgement.quantities[name]
+                rows.append({
+                    "size": size, "n": n, "candidate": candidate.name, "parameter": name,
+                    "max_abs_err": float(err.max()),
+                    "err_over_uS": float(np.max(err[live] / (u32 * s[live]))) if live.any() else math.nan,
+                    "err_over_grad": float(err.max() / max(np.abs(ref.grads[name]).max(), 1e-300)),
+                    "bound_ratio": quantity.bound_ratio, "verdict": quantity.verdict,
+                    "overall_verdict": judgement.verdict,
+                    "sqrt_n": math.sqrt(n), "log2_n": math.log2(n),
+                })
+        del ref, abs_sums
+    return pd.DataFrame(rows)
+
+
+def fit_exponents(table: pd.DataFrame) -> pd.DataFrame:
+    """Least-squares slopes of log err/(u·S) and log err/|g| against log n, per candidate × gradient."""
+    rows = []
+    for (candidate, parameter), group in table.groupby(["candidate", "parameter"], sort=False):
+        logn = np.log(group.n.to_numpy(float))
+        fits = {}
+        for column, label in (("err_over_uS", "alpha_vs_S"), ("err_over_grad", "beta_vs_grad")):
+            y = group[column].to_numpy(float)
+            ok = np.isfinite(y) & (y > 0)
+            fits[label] = float(np.polyfit(logn[ok], np.log(y[ok]), 1)[0]) if ok.sum() >= 2 else math.nan
+        rows.append({"candidate": candidate, "parameter": parameter, **fits,
+                     "min_err_over_grad": float(group.err_over_grad.min()),
+                     "max_bound_ratio": float(group.bound_ratio.max())})
+    return pd.DataFrame(rows)
+
+
+def signature(fits: pd.DataFrame) -> pd.DataFrame:
+    """Which error source each candidate's scaling looks like (per gradient, then worst)."""
+    def classify(row) -> str:
+        if row.min_err_over_grad >= DEFECT_REL_TO_GRAD:
+            return "O(1) relative to |g| at every size: defect-like"
+        if row.max_bound_ratio <= 1.0:
+            return "within the accumulation bound at every size"
+        return "exceeds the float32 bound (input rounding or defect)"
+
+    return fits.assign(signature=fits.apply(classify, axis=1))
+
+
+def summarise(table: pd.DataFrame, fits: pd.DataFrame) -> pd.DataFrame:
+    """One row per candidate: the verdict at the largest size, and the scaling found."""
+    rows = []
+    largest = table[table["size"] == table["size"].max()]
+    for name, group in largest.groupby("candidate", sort=False):
+        verdict = group.overall_verdict.iloc[0]
+        cand_fits = fits[fits.candidate == name]
+        weights = cand_fits[cand_fits.parameter.str.endswith("weight")]
+        defect_like = (cand_fits.min_err_over_grad >= DEFECT_REL_TO_GRAD).any()
+        if defect_like and verdict == "roundoff":  # O(1) error at every size is never rounding
+            verdict = "defect"
+        headline = (f"err/(u·S) ∝ n^{weights.alpha_vs_S.median():.2f}, err/|g| ∝ n^{weights.beta_vs_grad.median():.2f}"
+                    f" (weights, median); max error ÷ bound {group.bound_ratio.max():.2g} at {group['size'].iloc[0]}²")
+        rows.append(summary_row(name, EXPERIMENT, verdict, headline,
+                                alpha_vs_S=float(weights.alpha_vs_S.median()),
+                                beta_vs_grad=float(weights.beta_vs_grad.median())))
+    return pd.DataFrame(rows)

@@ -1,0 +1,140 @@
+"""Figures of the three experiments (matplotlib; each function returns the Figure)."""
+from __future__ import annotations
+
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from .formats import unit_roundoff
+from .problem import PARAM_NAMES, WEIGHT_NAMES
+
+VERDICT_COLOURS = {"roundoff": "#2b8a3e", "reduced-precision": "#e67700", "layout": "#1971c2", "defect": "#c92a2a"}
+
+
+def _candidate_colours(names) -> dict[str, tuple]:
+    cmap = plt.get_cmap("tab10")
+    return {name: cmap(i % 10) for i, name in enumerate(dict.fromkeys(names))}
+
+
+def masking_figure(step_table: pd.DataFrame):
+    """01: relative error of gradients, of updates and of weights after one SGD step, and after Adam."""
+    summary = step_table.groupby("candidate", sort=False).max(numeric_only=True)
+    metrics = [("grad_rel_err", "gradient"), ("sgd_update_rel_err", "SGD update lr·g"),
+               ("sgd_weight_rel_err", "weights after SGD"), ("adam_update_rel_err", "Adam first update")]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    width = 0.8 / len(metrics)
+    x = np.arange(len(summary))
+    for i, (column, label) in enumerate(metrics):
+        values = summary[column].clip(lower=1e-17)
+        ax.bar(x + (i - (len(metrics) - 1) / 2) * width, values, width, label=label)
+    ax.set_yscale("log")
+    ax.set_xticks(x, summary.index, rotation=15, ha="right")
+    ax.set_ylabel("max relative difference to float64")
+    ax.set_title("What one optimizer step shows of a gradient error")
+    ax.legend(fontsize=8, ncols=2)
+    fig.tight_layout()
+    return fig
+
+
+def trajectory_figure(traj: pd.DataFrame, steps_label: str = "SGD step"):
+    """01: loss difference and weight distance to the float64 trajectory, envelope shaded."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    colours = _candidate_colours(traj.member)
+    envelope = traj[traj.role.isin(["envelope", "both"])].groupby("step").weight_distance.agg(["min", "max"])
+    axes[1].fill_between(envelope.index, envelope["min"].clip(lower=1e-18), envelope["max"].clip(lower=1e-18),
+                         color="0.85", label="legitimate float32 envelope")
+    for name, group in traj.groupby("member", sort=False):
+        style = "--" if (group.role == "envelope").all() else "-"
+        axes[0].plot(group.step, group.loss_diff.abs().clip(lower=1e-18), style, color=colours[name], label=name)
+        axes[1].plot(group.step[group.step > 0], group.weight_distance[group.step > 0], style, color=colours[name])
+    for ax, title in zip(axes, ("|loss − loss₆₄|", "‖w − w₆₄‖ / ‖w₆₄‖")):
+        ax.set_yscale("log")
+        ax.set_xlabel(steps_label)
+        ax.set_title(title)
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def recompilation_figure(table: pd.DataFrame):
+    """02: err64/err32 per quantity and candidate, against u64/u32 (rounding) and 1 (defect)."""
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    colours = _candidate_colours(table.candidate)
+    quantities = list(dict.fromkeys(table.quantity))
+    x = np.arange(len(quantities))
+    names = list(dict.fromkeys(table.candidate))
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        rows = table[table.candidate == name].set_index("quantity").reindex(quantities)
+        ratios = rows.ratio.fillna(0).clip(lower=1e-17)
+        ax.bar(x + (i - (len(names) - 1) / 2) * width, ratios, width, color=colours[name], label=name)
+    expected = unit_roundoff("float64") / unit_roundoff("float32")
+    ax.axhline(expected, color="k", ls=":", lw=1, label="u64/u32 (rounding)")
+    ax.axhline(math.sqrt(expected), color="0.4", ls="--", lw=1, label="√(u64/u32) boundary")
+    ax.axhline(1.0, color="#c92a2a", ls="-", lw=1, label="1 (defect)")
+    ax.set_yscale("log")
+    ax.set_ylim(1e-17, 10)
+    ax.set_xticks(x, quantities, rotation=15, ha="right")
+    ax.set_ylabel("err64 / err32")
+    ax.set_title("Does the error vanish when the candidate is recompiled in float64?")
+    ax.legend(fontsize=7, ncols=2)
+    fig.tight_layout()
+    return fig
+
+
+def sweep_figure(table: pd.DataFrame):
+    """03: err/(u·S) against n per weight gradient, with √n and log₂n lines; err/|g| below."""
+    fig, axes = plt.subplots(2, len(WEIGHT_NAMES), figsize=(12, 6.5), sharex=True)
+    colours = _candidate_colours(table.candidate)
+    n = np.array(sorted(table.n.unique()), float)
+    for col, name in enumerate(WEIGHT_NAMES):
+        rows = table[table.parameter == name]
+        top, bottom = axes[0, col], axes[1, col]
+        for candidate, group in rows.groupby("candidate", sort=False):
+            top.plot(group.n, group.err_over_uS, "o-", color=colours[candidate], label=candidate, ms=3)
+            bottom.plot(group.n, group.err_over_grad, "o-", color=colours[candidate], ms=3)
+        top.plot(n, np.sqrt(n), "k--", lw=1, label="√n (recursive, probabilistic)")
+        top.plot(n, np.log2(n), "k:", lw=1, label="log₂ n (pairwise)")
+        top.set_title(name)
+        for ax in (top, bottom):
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        bottom.set_xlabel("n = batch·H·W terms per sum")
+    axes[0, 0].set_ylabel("max err / (u₃₂·S)")
+    axes[1, 0].set_ylabel("max err / max|g|")
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def bound_ratio_figure(table: pd.DataFrame):
+    """03: error ÷ bound (worst gradient) across sizes: above 1 means the claimed precision cannot explain it."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    colours = _candidate_colours(table.candidate)
+    worst = table.groupby(["candidate", "size"], sort=False).bound_ratio.max().reset_index()
+    for candidate, group in worst.groupby("candidate", sort=False):
+        ax.plot(group["size"], group.bound_ratio, "o-", color=colours[candidate], label=candidate)
+    ax.axhline(1.0, color="k", ls="--", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("image size (pixels per side)")
+    ax.set_ylabel("max error ÷ bound")
+    ax.set_title("Error against the rounding bound of the claimed precision")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def verdict_table_style(frame: pd.DataFrame):
+    """A pandas Styler colouring the verdict column; cell text is HTML-escaped (names come from users)."""
+    def colour(value):
+        return f"color: {VERDICT_COLOURS.get(value, 'inherit')}; font-weight: bold"
+
+    return frame.style.map(colour, subset=["verdict"]).format(precision=3, escape="html").hide(axis="index")
+
+
+__all__ = ["masking_figure", "trajectory_figure", "recompilation_figure", "sweep_figure", "bound_ratio_figure",
+           "verdict_table_style", "PARAM_NAMES"]
