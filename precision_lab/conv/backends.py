@@ -1,9 +1,12 @@
-"""Native backends' global knobs as context managers that restore every flag they touch."""
+"""Native backends (cuDNN on GPU, oneDNN or ATen on CPU): their global knobs, and the kernels that ran."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 
 import torch
+
+from ..problem import NativeConv
 
 
 def _has_fp32_precision_api() -> bool:
@@ -42,3 +45,85 @@ def native_flags(fp32_precision: str | None = None, benchmark: bool | None = Non
     finally:
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
+
+
+def current_flags() -> dict:
+    """The native backends' global flags now (for provenance and for tests that check restoration)."""
+    flags = {"cudnn.benchmark": torch.backends.cudnn.benchmark,
+             "cudnn.deterministic": torch.backends.cudnn.deterministic,
+             "mkldnn.enabled": torch.backends.mkldnn.enabled,
+             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
+    if _has_fp32_precision_api():
+        flags["cudnn.conv.fp32_precision"] = torch.backends.cudnn.conv.fp32_precision
+        flags["cuda.matmul.fp32_precision"] = torch.backends.cuda.matmul.fp32_precision
+    else:
+        flags["cudnn.allow_tf32"] = torch.backends.cudnn.allow_tf32
+        flags["cuda.matmul.allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
+    return flags
+
+
+@dataclass(frozen=True)
+class NativeBackend(NativeConv):
+    """PyTorch's convolution kernels with a choice of global knobs, applied around every call.
+
+    Each call runs inside `native_flags(**flags)`, so the configuration holds whatever the
+    caller's global state is, and that state is left as it was.
+    """
+
+    name: str = "native"
+    description: str = "PyTorch native convolution with the flags as they are"
+    flags: dict = field(default_factory=dict)
+
+    def forward(self, x, w):
+        with native_flags(**self.flags):
+            return super().forward(x, w)
+
+    def input_grad(self, grad_out, w):
+        with native_flags(**self.flags):
+            return super().input_grad(grad_out, w)
+
+    def weight_grad(self, x, grad_out):
+        with native_flags(**self.flags):
+            return super().weight_grad(x, grad_out)
+
+
+NATIVE_BACKENDS = {backend.name: backend for backend in (
+    NativeBackend(),
+    NativeBackend("native-ieee", "cuDNN/cuBLAS float32 in IEEE arithmetic (TF32 off)", {"fp32_precision": "ieee"}),
+    NativeBackend("native-tf32", "cuDNN/cuBLAS with TF32 allowed for float32 (10-bit mantissa inputs)",
+                  {"fp32_precision": "tf32"}),
+    NativeBackend("native-benchmark", "cuDNN autotuner picks the fastest kernel per shape (benchmark=True)",
+                  {"benchmark": True}),
+    NativeBackend("native-deterministic", "cuDNN restricted to deterministic kernels, no autotuning",
+                  {"deterministic": True, "benchmark": False}),
+    NativeBackend("native-onednn-off", "CPU without oneDNN (ATen's own im2col + GEMM kernels)", {"mkldnn": False}),
+)}
+
+
+def _kernel_events(profiler, device_type: str) -> list[str]:
+    names = []
+    for event in profiler.events():
+        on_device = getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA
+        if device_type == "cuda" and on_device:
+            names.append(event.name)
+        elif device_type == "cpu" and not on_device and "conv" in event.name.lower():
+            names.append(event.name)  # on CPU the dispatched ATen/oneDNN operator names say which kernel ran
+    return list(dict.fromkeys(names))
+
+
+def record_kernels(fn, device: str | torch.device | None = None):
+    """Run `fn()` under torch.profiler; return (its result, [names of the kernels that ran]).
+
+    On a GPU the names are the CUDA kernels (cuDNN's, e.g. `sm80_xmma_fprop_implicit_gemm_tf32…`);
+    on CPU, the convolution operators dispatched (`aten::mkldnn_convolution` is oneDNN).
+    Names are deduplicated, in order of first appearance.
+    """
+    device_type = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device_type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        result = fn()
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+    return result, _kernel_events(profiler, device_type)

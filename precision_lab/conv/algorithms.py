@@ -1,0 +1,291 @@
+"""Hand-written convolution algorithms: 3×3 cross-correlation, stride 1, padding 1, any dtype, CPU or GPU.
+
+Each class implements the ConvOps protocol of problem.py (`forward`, `input_grad`,
+`weight_grad`) with its own summation order, so each is a legitimate float32 implementation
+whose rounding differs from PyTorch's:
+
+* `DirectConv`  — shift-and-GEMM: nine GEMMs, one per kernel tap, on a flattened padded image;
+* `Im2colConv`  — im2col + one GEMM with K = 9·C_in (col2im for the input gradient);
+* `FFTConv`     — products in the discrete Fourier domain (zero-padded, no wrap-around);
+* `WinogradConv(m)` — Winograd F(m×m, 3×3) tiles, F(3×3, m×m) for the weight gradient.
+
+Work is done in row/column chunks so that no intermediate exceeds a few hundred MB at
+1024², batch 2 (the diagnosis must stay under 3 GB, issue 5).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .winograd_matrices import winograd_matrices
+
+KERNEL = 3
+#: tap offsets (i, j) of a 3×3 kernel in row-major order, as the weight's last two axes index them
+TAPS = tuple((i, j) for i in range(KERNEL) for j in range(KERNEL))
+#: elements per chunk on CPU: keeps a chunk's operands in the last-level cache (measured fastest, 2^15 columns)
+CPU_CHUNK_COLUMNS = 1 << 15
+#: elements of intermediate per block for im2col/FFT/Winograd: bounds memory (2^23 float64 = 64 MB)
+BLOCK_ELEMENTS = 1 << 23
+
+
+def _flipped_transposed(w: torch.Tensor) -> torch.Tensor:
+    """The kernel of the input gradient: W'[c, o, i, j] = W[o, c, 2-i, 2-j]."""
+    return w.flip(2, 3).transpose(0, 1)
+
+
+def _chunks(length: int, size: int):
+    for start in range(0, length, size):
+        yield start, min(length, start + size)
+
+
+def _work_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Half types compute FFT/Winograd transforms in float32 on CPU (no half FFT or bmm there)."""
+    if dtype in (torch.float16, torch.bfloat16) and device.type == "cpu":
+        return torch.float32
+    return dtype
+
+
+class DirectConv:
+    """Shift-and-GEMM: out += W[:, :, i, j] @ shift_{i,j}(x) for the nine taps.
+
+    The padded image is flattened with its row stride W+2, so the shift by (i, j) is a
+    contiguous slice at offset i·(W+2)+j and each tap is one GEMM without copies; the two
+    columns of padding per row receive values that are dropped.
+    """
+
+    name = "direct"
+    description = "shift-and-GEMM: nine GEMMs (one per tap) accumulated on a flattened padded image"
+
+    def __init__(self, chunk_columns: int | None = None):
+        self.chunk_columns = chunk_columns
+
+    def _chunk(self, x: torch.Tensor, length: int) -> int:
+        return self.chunk_columns or (CPU_CHUNK_COLUMNS if x.device.type == "cpu" else length)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        n_img, c_in, height, width = x.shape
+        c_out, row = w.shape[0], width + 2
+        padded = F.pad(x, (1, 1, 1, 1)).reshape(n_img, c_in, (height + 2) * row)
+        taps = w.permute(2, 3, 0, 1).reshape(len(TAPS), c_out, c_in).contiguous()
+        offsets = [i * row + j for i, j in TAPS]
+        length = height * row - 2  # last output position whose 3×3 window stays inside the padded image
+        out = x.new_zeros(n_img, c_out, height * row)
+        for n in range(n_img):
+            for start, stop in _chunks(length, self._chunk(x, length)):
+                block = out[n, :, start:stop]
+                for tap, offset in zip(taps, offsets):
+                    block.addmm_(tap, padded[n, :, start + offset:stop + offset])
+        return out.view(n_img, c_out, height, row)[..., :width].contiguous()
+
+    def input_grad(self, grad_out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.forward(grad_out, _flipped_transposed(w))
+
+    def weight_grad(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+        n_img, c_in, height, width = x.shape
+        c_out, row = grad_out.shape[1], width + 2
+        padded = F.pad(x, (1, 1, 1, 1)).reshape(n_img, c_in, (height + 2) * row)
+        # grad_out on the same flattened grid, zero in the two padding columns of each row
+        grad_grid = F.pad(grad_out, (0, 2)).reshape(n_img, c_out, height * row)
+        length = height * row - 2
+        acc = x.new_zeros(len(TAPS), c_out, c_in)
+        for n in range(n_img):
+            for start, stop in _chunks(length, self._chunk(x, length)):
+                g = grad_grid[n, :, start:stop]
+                for tap, (i, j) in enumerate(TAPS):
+                    offset = i * row + j
+                    acc[tap].addmm_(g, padded[n, :, start + offset:stop + offset].T)
+        return acc.view(KERNEL, KERNEL, c_out, c_in).permute(2, 3, 0, 1).contiguous()
+
+
+class Im2colConv:
+    """im2col + GEMM: unfold 3×3 patches into a (9·C_in, pixels) matrix, one GEMM per row block."""
+
+    name = "im2col"
+    description = "im2col + GEMM (K = 9·C_in); col2im (fold) for the input gradient"
+
+    def _rows(self, channels: int, width: int) -> int:
+        return max(1, BLOCK_ELEMENTS // (KERNEL * KERNEL * channels * width))
+
+    def forward(self, x, w):
+        n_img, c_in, height, width = x.shape
+        padded = F.pad(x, (1, 1, 1, 1))
+        weights = w.reshape(w.shape[0], -1)
+        out = x.new_empty(n_img, w.shape[0], height, width)
+        for n in range(n_img):
+            for r0, r1 in _chunks(height, self._rows(c_in, width)):
+                cols = F.unfold(padded[n:n + 1, :, r0:r1 + 2], KERNEL)[0]
+                out[n, :, r0:r1] = (weights @ cols).view(-1, r1 - r0, width)
+        return out
+
+    def input_grad(self, grad_out, w):
+        n_img, c_out, height, width = grad_out.shape
+        c_in = w.shape[1]
+        weights_t = w.reshape(c_out, -1).T
+        grad_padded = grad_out.new_zeros(n_img, c_in, height + 2, width + 2)
+        for n in range(n_img):
+            for r0, r1 in _chunks(height, self._rows(c_in, width)):
+                cols = weights_t @ grad_out[n, :, r0:r1].reshape(c_out, -1)
+                grad_padded[n, :, r0:r1 + 2] += F.fold(cols[None], (r1 - r0 + 2, width + 2), KERNEL)[0]
+        return grad_padded[:, :, 1:-1, 1:-1].contiguous()
+
+    def weight_grad(self, x, grad_out):
+        n_img, c_in, height, width = x.shape
+        c_out = grad_out.shape[1]
+        padded = F.pad(x, (1, 1, 1, 1))
+        acc = x.new_zeros(c_out, c_in * KERNEL * KERNEL)
+        for n in range(n_img):
+            for r0, r1 in _chunks(height, self._rows(c_in, width)):
+                cols = F.unfold(padded[n:n + 1, :, r0:r1 + 2], KERNEL)[0]
+                acc.addmm_(grad_out[n, :, r0:r1].reshape(c_out, -1), cols.T)
+        return acc.view(c_out, c_in, KERNEL, KERNEL)
+
+
+class FFTConv:
+    """Convolution theorem on the (H+2)×(W+2) padded grid: large enough that nothing wraps around.
+
+    The 3×3 kernel's transform along H is a three-term DFT evaluated per block of frequency
+    rows, so the (C_out, C_in, H+2, W/2+2) kernel spectrum is never held whole.
+    """
+
+    name = "fft"
+    description = "FFT convolution on the zero-padded grid (complex products summed over channels)"
+
+    @staticmethod
+    def _phases(length: int, rows: slice, device, dtype, sign: float) -> torch.Tensor:
+        """e^{sign·2πi·k·t/length} for t = 0, 1, 2 (rows) and k in `rows` (columns)."""
+        k = torch.arange(rows.start, rows.stop, device=device, dtype=torch.float64)
+        t = torch.arange(KERNEL, device=device, dtype=torch.float64)
+        angle = sign * 2 * math.pi * torch.outer(t, k) / length
+        return torch.polar(torch.ones_like(angle), angle).to(dtype)
+
+    def _kernel_spectrum(self, w, grid, rows: slice, complex_dtype):
+        """DFT of the zero-padded kernel for frequency rows `rows`: (C_out, C_in, rows, W'/2+1)."""
+        along_w = torch.fft.rfft(w, n=grid[1], dim=-1).to(complex_dtype)  # (O, I, 3, Kx)
+        phase = self._phases(grid[0], rows, w.device, complex_dtype, -1.0)  # (3, rows)
+        return torch.einsum("oitx,tk->oikx", along_w, phase)
+
+    def _row_block(self, channels: int, grid) -> int:
+        return max(1, BLOCK_ELEMENTS // (channels * channels * (grid[1] // 2 + 1)))
+
+    def forward(self, x, w):
+        dtype = _work_dtype(x.dtype, x.device)
+        height, width = x.shape[-2:]
+        grid = (height + 2, width + 2)
+        spectrum = torch.fft.rfft2(F.pad(x.to(dtype), (1, 1, 1, 1)), s=grid)
+        out_spectrum = torch.empty(x.shape[0], w.shape[0], *spectrum.shape[-2:], dtype=spectrum.dtype, device=x.device)
+        for r0, r1 in _chunks(grid[0], self._row_block(max(w.shape[:2]), grid)):
+            kernel = self._kernel_spectrum(w.to(dtype), grid, slice(r0, r1), spectrum.dtype)
+            out_spectrum[:, :, r0:r1] = torch.einsum("nikx,oikx->nokx", spectrum[:, :, r0:r1], kernel.conj())
+        return torch.fft.irfft2(out_spectrum, s=grid)[..., :height, :width].to(x.dtype).contiguous()
+
+    def input_grad(self, grad_out, w):
+        dtype = _work_dtype(grad_out.dtype, grad_out.device)
+        height, width = grad_out.shape[-2:]
+        grid = (height + 2, width + 2)
+        # the adjoint of a correlation is a convolution: no conjugate, result on the padded grid
+        spectrum = torch.fft.rfft2(grad_out.to(dtype), s=grid)
+        in_spectrum = torch.empty(grad_out.shape[0], w.shape[1], *spectrum.shape[-2:], dtype=spectrum.dtype,
+                                  device=grad_out.device)
+        for r0, r1 in _chunks(grid[0], self._row_block(max(w.shape[:2]), grid)):
+            kernel = self._kernel_spectrum(w.to(dtype), grid, slice(r0, r1), spectrum.dtype)
+            in_spectrum[:, :, r0:r1] = torch.einsum("nokx,oikx->nikx", spectrum[:, :, r0:r1], kernel)
+        padded = torch.fft.irfft2(in_spectrum, s=grid)
+        return padded[..., 1:height + 1, 1:width + 1].to(grad_out.dtype).contiguous()
+
+    def weight_grad(self, x, grad_out):
+        dtype = _work_dtype(x.dtype, x.device)
+        height, width = x.shape[-2:]
+        grid = (height + 2, width + 2)
+        x_spectrum = torch.fft.rfft2(F.pad(x.to(dtype), (1, 1, 1, 1)), s=grid)
+        g_spectrum = torch.fft.rfft2(grad_out.to(dtype), s=grid)
+        complex_dtype = x_spectrum.dtype
+        n_freq_w = x_spectrum.shape[-1]
+        # lags 0..2 along W from the half spectrum: interior frequencies stand for a conjugate pair
+        weight = torch.full((n_freq_w,), 2.0, dtype=torch.float64, device=x.device)
+        weight[0] = 1.0
+        if grid[1] % 2 == 0:
+            weight[-1] = 1.0
+        phase_w = self._phases(grid[1], slice(0, n_freq_w), x.device, complex_dtype, 1.0)  # (3, Kx)
+        phase_w = phase_w * weight.to(complex_dtype)
+        acc = torch.zeros(grad_out.shape[1], x.shape[1], KERNEL, KERNEL, dtype=complex_dtype, device=x.device)
+        for r0, r1 in _chunks(grid[0], self._row_block(max(x.shape[1], grad_out.shape[1]), grid)):
+            cross = torch.einsum("nikx,nokx->oikx", x_spectrum[:, :, r0:r1], g_spectrum[:, :, r0:r1].conj())
+            phase_h = self._phases(grid[0], slice(r0, r1), x.device, complex_dtype, 1.0)  # (3, rows)
+            acc += torch.einsum("oikx,sk,tx->oist", cross, phase_h, phase_w)
+        return (acc.real / (grid[0] * grid[1])).to(x.dtype)
+
+
+class WinogradConv:
+    """Winograd F(m×m, 3×3): Y = Aᵀ[(G W Gᵀ) ⊙ (Bᵀ D B)]A per tile, channel sums as batched GEMMs.
+
+    The weight gradient uses F(3×3, m×m) on the same tiles (the output-gradient tile is the
+    'filter'), summed over tiles in the transformed domain. Rounding error grows with the tile
+    size m (Barabasz et al. 2020), which is why F(2,3) and F(4,3) are both offered.
+    """
+
+    description = "Winograd F(m×m,3×3) forward/input grad, F(3×3,m×m) weight grad (Lavin & Gray 2016)"
+
+    def __init__(self, m: int):
+        self.m = m
+        self.alpha = m + KERNEL - 1
+        self.name = f"winograd-f{m}x3"
+
+    def _matrices(self, m, r, dtype, device):
+        return tuple(torch.as_tensor(a, dtype=dtype, device=device) for a in winograd_matrices(m, r))
+
+    def _tiles_per_block(self, channels: int, tiles_w: int) -> int:
+        return max(1, BLOCK_ELEMENTS // (channels * tiles_w * self.alpha * self.alpha))
+
+    def _padded(self, x):
+        """x padded by 1 on top/left and up to whole tiles (+1) on bottom/right."""
+        height, width = x.shape[-2:]
+        tiles_h, tiles_w = -(-height // self.m), -(-width // self.m)
+        padded = F.pad(x, (1, tiles_w * self.m - width + 1, 1, tiles_h * self.m - height + 1))
+        return padded, tiles_h, tiles_w
+
+    def _input_tiles(self, padded_image, t0, t1, b_t):
+        """Bᵀ D B of the overlapping (α×α) input tiles of tile rows t0..t1: (α, α, C, tiles)."""
+        m, a = self.m, self.alpha
+        tiles = padded_image[:, t0 * m:t1 * m + KERNEL - 1].unfold(1, a, m).unfold(2, a, m)  # (C, th, tw, a, a)
+        transformed = b_t @ tiles @ b_t.T
+        return transformed.permute(3, 4, 0, 1, 2).reshape(a, a, tiles.shape[0], -1)
+
+    def forward(self, x, w):
+        dtype = _work_dtype(x.dtype, x.device)
+        a_t, g, b_t = self._matrices(self.m, KERNEL, dtype, x.device)
+        m, a = self.m, self.alpha
+        height, width = x.shape[-2:]
+        c_out = w.shape[0]
+        kernel = (g @ w.to(dtype) @ g.T).permute(2, 3, 0, 1).reshape(a * a, c_out, -1)  # (α², O, I)
+        padded, tiles_h, tiles_w = self._padded(x.to(dtype))
+        out = torch.empty(x.shape[0], c_out, tiles_h * m, tiles_w * m, dtype=dtype, device=x.device)
+        for n in range(x.shape[0]):
+            for t0, t1 in _chunks(tiles_h, self._tiles_per_block(max(w.shape[:2]), tiles_w)):
+                data = self._input_tiles(padded[n], t0, t1, b_t).reshape(a * a, w.shape[1], -1)
+                products = torch.bmm(kernel, data).view(a, a, c_out, t1 - t0, tiles_w).permute(2, 3, 4, 0, 1)
+                tiles = a_t @ products @ a_t.T  # (O, th, tw, m, m)
+                out[n, :, t0 * m:t1 * m] = tiles.permute(0, 1, 3, 2, 4).reshape(c_out, (t1 - t0) * m, tiles_w * m)
+        return out[..., :height, :width].to(x.dtype).contiguous()
+
+    def input_grad(self, grad_out, w):
+        return self.forward(grad_out, _flipped_transposed(w))
+
+    def weight_grad(self, x, grad_out):
+        dtype = _work_dtype(x.dtype, x.device)
+        a_t, g, b_t = self._matrices(KERNEL, self.m, dtype, x.device)  # F(3, m): 3 lags, m-long "filter"
+        m, a = self.m, self.alpha
+        c_in, c_out = x.shape[1], grad_out.shape[1]
+        padded, tiles_h, tiles_w = self._padded(x.to(dtype))
+        height, width = grad_out.shape[-2:]
+        grad = F.pad(grad_out.to(dtype), (0, tiles_w * m - width, 0, tiles_h * m - height))
+        acc = torch.zeros(a * a, c_out, c_in, dtype=dtype, device=x.device)
+        for n in range(x.shape[0]):
+            for t0, t1 in _chunks(tiles_h, self._tiles_per_block(max(c_in, c_out), tiles_w)):
+                data = self._input_tiles(padded[n], t0, t1, b_t).reshape(a * a, c_in, -1)
+                g_tiles = grad[n, :, t0 * m:t1 * m].reshape(c_out, t1 - t0, m, tiles_w, m).permute(0, 1, 3, 2, 4)
+                g_transformed = (g @ g_tiles @ g.T).permute(3, 4, 0, 1, 2).reshape(a * a, c_out, -1)
+                acc += torch.bmm(g_transformed, data.transpose(1, 2))
+        lags = a_t @ acc.view(a, a, c_out, c_in).permute(2, 3, 0, 1) @ a_t.T  # (O, I, 3, 3)
+        return lags.to(x.dtype).contiguous()
