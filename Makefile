@@ -11,10 +11,10 @@ TORCH_INDEX ?=
 PARAMS      ?= params/seed.yaml
 KERNEL      := precision-lab
 
-.PHONY: help setup reports quick test bench clean
+.PHONY: help setup system-deps reports quick test bench clean
 
 help: ## show this help
-	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-10s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 setup: $(VENV)/.installed ## create .venv, install the package (editable) and register the Jupyter kernel
 
@@ -37,7 +37,20 @@ reports: setup ## run the three experiments at the seed scale and render reports
 quick: setup ## the same at small sizes (params/quick.yaml), for a look in a minute
 	$(LAB) run --params params/quick.yaml
 
-test: setup ## run the test suite (unit tests, notebooks with quick parameters, end-to-end checks)
+# Debian packages the end-to-end tests use: gfortran (examples/fortran), chromium + driver (browser test)
+system-deps: ## install gfortran and headless chromium when missing (needs root and apt-get; else those tests skip)
+	@missing=""; \
+	command -v gfortran >/dev/null || missing="$$missing gfortran"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	  else echo "note: missing$$missing (not root or no apt-get): the tests that need them will be skipped"; fi; \
+	fi
+
+test: setup system-deps ## run the test suite (unit tests, notebooks with quick parameters, end-to-end checks)
 	$(PYTHON) -m pytest -q
 
 bench: setup ## print the benchmark ratios (float64 reference, cost of a diagnosis, algorithms)

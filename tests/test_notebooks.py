@@ -1,0 +1,78 @@
+"""Every notebook executed through papermill with params/quick.yaml, asserting what it found."""
+import math
+from pathlib import Path
+
+import pandas as pd
+import papermill
+import pytest
+import yaml
+
+from precision_lab.paths import NOTEBOOKS_DIR, PARAMS_DIR
+
+NOTEBOOKS = sorted(p.stem for p in NOTEBOOKS_DIR.glob("[0-9][0-9]-*.ipynb"))
+QUICK = yaml.safe_load((PARAMS_DIR / "quick.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """Run each notebook once (quick parameters it declares, plus run_dir); map name → run folder."""
+    run_dir = tmp_path_factory.mktemp("run")
+    done = {}
+    for name in NOTEBOOKS:
+        source = NOTEBOOKS_DIR / f"{name}.ipynb"
+        declared = papermill.inspect_notebook(str(source))
+        parameters = {k: v for k, v in QUICK.items() if k in declared}
+        parameters["run_dir"] = str(run_dir)
+        papermill.execute_notebook(str(source), str(run_dir / f"{name}.ipynb"), parameters=parameters,
+                                   kernel_name="precision-lab", progress_bar=False, log_output=False)
+        done[name] = run_dir / name
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_writes_a_summary_and_a_headline_figure(executed, name):
+    folder = executed[name]
+    summary = pd.read_csv(folder / "summary.csv")
+    assert list(summary.columns[:4]) == ["candidate", "experiment", "verdict", "headline"]
+    assert len(summary) >= 1 and summary.verdict.isin(["roundoff", "reduced-precision", "layout", "defect"]).all()
+    assert (folder / "headline.png").stat().st_size > 5_000
+
+
+def _verdicts(executed, name):
+    return pd.read_csv(executed[name] / "summary.csv").set_index("candidate").verdict
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["01-optimizer-step", "02-float64-recompilation", "03-size-sweep"])
+def test_native_is_roundoff_and_the_replay_slip_is_flagged(executed, name):
+    verdicts = _verdicts(executed, name)
+    assert verdicts["native"] == "roundoff"
+    assert verdicts["fortran-replay"] == "roundoff"
+    assert verdicts["fortran-replay-flip"] != "roundoff"
+    assert verdicts["tf32-emulated"] != "roundoff"  # claimed float32, computed with TF32 inputs
+
+
+@pytest.mark.slow
+def test_float64_recompilation_ratios(executed):
+    ratios = pd.read_csv(executed["02-float64-recompilation"] / "ratios.csv")
+    params = ratios[ratios.quantity != "loss"].set_index(["candidate", "quantity"]).ratio
+    assert params["native"].max() <= 1e-6  # rounding error vanishes with the arithmetic
+    flip_weights = params["fortran-replay-flip"].filter(like="weight")
+    assert ((flip_weights > 0.5) & (flip_weights < 2)).all()  # the slip stays near 1
+
+
+@pytest.mark.slow
+def test_optimizer_step_masking_numbers(executed):
+    masking = pd.read_csv(executed["01-optimizer-step"] / "masking.csv").set_index("candidate")
+    assert masking.loc["native", "weights_hide_by"] > 10
+    assert masking.loc["fortran-replay-flip", "grad_rel_err"] > 0.1
+    envelope = pd.read_csv(executed["01-optimizer-step"] / "envelope.csv").set_index("candidate")
+    assert not envelope.loc["fortran-replay-flip", "inside_envelope"]
+
+
+@pytest.mark.slow
+def test_size_sweep_fits(executed):
+    fits = pd.read_csv(executed["03-size-sweep"] / "fits.csv")
+    native = fits[(fits.candidate == "native") & fits.parameter.str.endswith("weight")]
+    assert native.alpha_vs_S.between(-0.5, 1.0).all() and not native.alpha_vs_S.apply(math.isnan).any()
