@@ -83,8 +83,17 @@ def write_bundle(directory: str | Path, kind: str, precision: str, weight_layout
                                         "shape": list(value.shape), "order": "F"}
     else:
         np.savez(directory / NPZ, **{name: np.array(value, order="C") for name, value in arrays.items()})
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    (directory / MANIFEST).write_text(manifest_text(manifest))
     return directory
+
+
+def manifest_text(manifest: dict) -> str:
+    """bundle.json text: one line per key and per raw array, lists on one line (easy to scan from Fortran)."""
+    lines = [f" {json.dumps(key)}: {json.dumps(value)}" for key, value in manifest.items() if key != "arrays"]
+    if "arrays" in manifest:
+        entries = [f"  {json.dumps(name)}: {json.dumps(spec)}" for name, spec in manifest["arrays"].items()]
+        lines.append(' "arrays": {\n' + ",\n".join(entries) + "}")
+    return "{\n" + ",\n".join(lines) + "}\n"
 
 
 def request_arrays(problem: Problem, precision: str, weight_layout: str) -> dict[str, np.ndarray]:
