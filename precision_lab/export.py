@@ -1,0 +1,116 @@
+"""`precision-lab export`: a request bundle plus the float64 reference and its rounding bounds.
+
+The output folder lets an external test suite judge its own program without the lab::
+
+    OUT/request/     the request bundle (DESIGN.md, "Exchange format"): feed it to your program
+    OUT/reference/   bundle.json (kind "reference") and the float64 results, in the same weight
+                     layout and array format as the request: loss, output, conv{k}.weight.grad,
+                     conv{k}.bias.grad, and for each of them `<name>.bound`
+
+and the check is element by element: |g − g_ref| ≤ bound. The bound is the error model's
+(`precision_lab.errmodel`) for the request's precision plus its float64 bound, because the
+reference carries its own float64 rounding (triangle inequality).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from . import errmodel
+from .bundle import write_bundle, write_request
+from .errors import LabInputError
+from .layout import check_layout, to_layout
+from .problem import PARAM_NAMES, WEIGHT_NAMES, Problem, Trace, make_problem
+from .reference import reference
+
+EXPORT_PRECISIONS = ("float32", "float64")
+CHECK = "for every array X with X.bound: all(|X_yours - X| <= X.bound), elementwise, X in weight_layout"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size", type=int, default=1024, help="image height and width (default 1024, the seed scale)")
+    parser.add_argument("--batch", type=int, default=2, help="images per batch (default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic micrographs and weights (default 0)")
+    parser.add_argument("--layout", default="OIHW", help="weight layout of the bundle: a permutation of OIHW (default OIHW)")
+    parser.add_argument("--raw", action="store_true", help="raw column-major .bin files instead of arrays.npz")
+    parser.add_argument("--precision", default="float32", choices=EXPORT_PRECISIONS,
+                        help="precision of the request and of the bounds (default float32)")
+    parser.add_argument("--out", required=True, type=Path, help="output folder (must not exist or be empty)")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        check_layout(args.layout)
+    except ValueError as exc:
+        raise LabInputError(f"--layout: {exc}") from None
+    out = export(make_problem(args.size, args.batch, args.seed), args.out, args.precision, args.layout, args.raw)
+    print(f"request bundle:   {out / 'request'}")
+    print(f"reference+bounds: {out / 'reference'}  (check: {CHECK})")
+    return 0
+
+
+def export(problem: Problem, out: str | Path, precision: str = "float32", weight_layout: str = "OIHW",
+           raw: bool = False) -> Path:
+    """Write OUT/request and OUT/reference for `problem`; OUT must not exist or be empty.
+
+    Everything is written to a temporary sibling folder first and renamed into place at the end,
+    so an interrupted export leaves no half-written OUT.
+    """
+    out = Path(out)
+    _refuse_existing(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        write_request(problem, staging / "request", precision, weight_layout, raw)
+        trace = reference(problem)
+        write_bundle(staging / "reference", "reference", "float64", weight_layout,
+                     reference_arrays(problem, trace, precision, weight_layout), raw,
+                     extra={"bound_precision": precision, "problem": problem.describe(), "check": CHECK,
+                            "bound_source": "precision_lab.errmodel (DESIGN.md, error-accumulation model) at "
+                                            f"{precision} plus its float64 bound for the reference's own rounding"})
+        if out.exists():
+            out.rmdir()  # empty (checked above): replaced by the finished export
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _refuse_existing(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise LabInputError(f"--out {out}: already exists and is not an empty folder; "
+                            f"refusing to overwrite it (choose a new folder)")
+
+
+def quantity_bounds(trace: Trace, precision: str) -> dict[str, np.ndarray]:
+    """Per-element bounds at `precision` (loss and output too when the error model gives them)."""
+    full = getattr(errmodel, "error_bounds", None)
+    if full is not None:
+        return {name: bound.bound for name, bound in full(trace, precision).items()}
+    return errmodel.gradient_bounds(trace, precision)
+
+
+def reference_arrays(problem: Problem, trace: Trace, precision: str, weight_layout: str) -> dict[str, np.ndarray]:
+    """Reference results and their bounds, named and laid out as a response would be."""
+    claimed, own = quantity_bounds(trace, precision), quantity_bounds(trace, "float64")
+    values = {"loss": np.asarray(trace.loss, np.float64), "output": np.asarray(trace.output, np.float64)}
+    values.update({f"{name}.grad": np.asarray(trace.grads[name], np.float64) for name in PARAM_NAMES})
+    arrays = {}
+    for name, value in values.items():
+        arrays[name] = value
+        quantity = name.removesuffix(".grad")
+        if quantity in claimed:
+            arrays[f"{name}.bound"] = np.asarray(claimed[quantity] + own[quantity], np.float64).reshape(value.shape)
+    for name in WEIGHT_NAMES:
+        for key in (f"{name}.grad", f"{name}.grad.bound"):
+            arrays[key] = to_layout(arrays[key], weight_layout)
+    return arrays
+
+
+__all__ = ["configure", "export", "main", "quantity_bounds", "reference_arrays"]
