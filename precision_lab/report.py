@@ -17,11 +17,14 @@ import os
 import re
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
+
+import yaml
 
 from . import params as run_params
 from . import provenance as prov
@@ -38,6 +41,11 @@ INCOMPLETE_PREFIX = ".incomplete-"
 MARKER = "INCOMPLETE.txt"
 #: shell convention: 128 + signal number
 EXIT_SIGNAL_BASE = 128
+#: seconds papermill gets to shut its kernel down after SIGTERM before it is killed
+CHILD_GRACE_S = 30
+#: how often the progress line re-reads the notebook papermill saves after each cell
+PROGRESS_POLL_S = 0.5
+_CURRENT_CHILD: dict = {"process": None}
 
 
 class RunInterrupted(BaseException):
@@ -251,25 +259,23 @@ def _interrupted(plan: RunPlan, signum: int, report_tmp: Path, data_tmp: Path) -
         if folder.exists():
             (folder / MARKER).unlink(missing_ok=True)
             (folder / "INTERRUPTED.txt").write_text(note, encoding="utf-8")
-    _terminate_children()
+    _stop_notebook_process()
     print(f"precision-lab: interrupted ({name}): run {plan.run_id} is incomplete and was not published; "
           f"partial output left in {report_tmp} and {data_tmp}", file=sys.stderr, flush=True)
     return EXIT_SIGNAL_BASE + int(signum)
 
 
-def _terminate_children() -> None:
-    """Stop the Jupyter kernels this process started (an interrupted papermill may leave them)."""
-    me = os.getpid()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == me:  # field 4 of /proc/PID/stat: the parent's pid
-            try:
-                os.kill(int(stat.parent.name), signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
+def _stop_notebook_process() -> None:
+    """Stop the running papermill child; its nbclient shuts the Jupyter kernel down on SIGTERM."""
+    child = _CURRENT_CHILD.get("process")
+    if child is None or child.poll() is not None:
+        return
+    child.terminate()
+    try:
+        child.wait(timeout=CHILD_GRACE_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
 
 
 def _say(message: str) -> None:
@@ -277,27 +283,75 @@ def _say(message: str) -> None:
 
 
 def run_notebook(notebook: Path, plan: RunPlan, report_tmp: Path, data_tmp: Path) -> NotebookOutcome:
-    """Execute one notebook into `report_tmp/<name>.ipynb`; a failure is an outcome, not an exception."""
-    import papermill
-    from papermill.exceptions import PapermillExecutionError
+    """Execute one notebook into `report_tmp/<name>.ipynb`; a failure is an outcome, not an exception.
 
+    papermill runs in a child process (its own session) so that this process alone decides what
+    Ctrl-C and SIGTERM do: nbclient would otherwise take over both signals while a cell runs.
+    """
     output = report_tmp / f"{notebook.stem}.ipynb"
+    folder = data_tmp / notebook.stem
+    folder.mkdir(parents=True, exist_ok=True)
     injected = run_params.for_notebook(plan.values, plan.declared[notebook.stem], data_tmp.resolve())
+    parameters_file = folder / "parameters.yaml"
+    parameters_file.write_text(yaml.safe_dump(injected, sort_keys=True), encoding="utf-8")
+    command = [sys.executable, "-m", "papermill", str(notebook), str(output), "-f", str(parameters_file),
+               "-k", KERNEL, "--cwd", str(Path.cwd()), "--log-level", "WARNING", "--no-progress-bar"]
+    if plan.cell_timeout is not None:
+        command += ["--execution-timeout", str(plan.cell_timeout)]
     started = time.monotonic()
-    outcome = NotebookOutcome(notebook.stem, ok=True, seconds=0.0)
-    try:
-        papermill.execute_notebook(str(notebook), str(output), parameters=injected, kernel_name=KERNEL,
-                                   progress_bar=sys.stderr.isatty(), cwd=str(Path.cwd()),
-                                   execution_timeout=plan.cell_timeout)
-    except PapermillExecutionError as exc:
-        outcome.ok, outcome.error = False, f"{exc.ename}: {exc.evalue}"
-        outcome.failed_cell = exc.exec_count
-    except Exception as exc:  # noqa: BLE001 - a dead kernel or a timeout fails this notebook, not the run
-        outcome.ok, outcome.error = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    outcome.seconds = round(time.monotonic() - started, 1)
-    outcome.executed = output.exists()
-    outcome.has_error_anchor = outcome.executed and not outcome.ok and ERROR_ANCHOR in output.read_text("utf-8")
+    with open(folder / "papermill.log", "wb") as log:
+        child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        _CURRENT_CHILD["process"] = child
+        try:
+            _wait_showing_progress(child, output, notebook.stem)
+        finally:
+            _stop_notebook_process()
+            _CURRENT_CHILD["process"] = None
+    outcome = NotebookOutcome(notebook.stem, ok=child.returncode == 0, seconds=round(time.monotonic() - started, 1),
+                              executed=output.exists())
+    if not outcome.ok:
+        outcome.error, outcome.failed_cell, outcome.has_error_anchor = _failure(output, folder / "papermill.log")
     return outcome
+
+
+def _wait_showing_progress(child: subprocess.Popen, output: Path, name: str) -> None:
+    """Wait for papermill; on a terminal, show `cell k/n` from the notebook it saves after each cell."""
+    interactive = sys.stderr.isatty()
+    while child.poll() is None:
+        time.sleep(PROGRESS_POLL_S)
+        if interactive:
+            done, total = _cells_done(output)
+            if total:
+                print(f"\r  {name}: cell {done}/{total}", end="", file=sys.stderr, flush=True)
+    if interactive:
+        print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
+
+
+def _cells_done(output: Path) -> tuple[int, int]:
+    try:
+        cells = json.loads(output.read_text(encoding="utf-8"))["cells"]
+    except (OSError, ValueError, KeyError):  # not written yet, or caught mid-write
+        return 0, 0
+    code = [c for c in cells if c.get("cell_type") == "code"]
+    done = sum(c.get("metadata", {}).get("papermill", {}).get("status") == "completed" for c in code)
+    return done, len(code)
+
+
+def _failure(output: Path, log: Path) -> tuple[str, int | None, bool]:
+    """What failed: the failing cell's exception (from the saved notebook) or the log's last line."""
+    if output.exists():
+        try:
+            notebook = json.loads(output.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            notebook = {"cells": []}
+        for cell in notebook.get("cells", []):
+            errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+            if cell.get("metadata", {}).get("papermill", {}).get("exception") and errors:
+                anchor = ERROR_ANCHOR in output.read_text(encoding="utf-8")
+                return f"{errors[0].get('ename')}: {errors[0].get('evalue')}", cell.get("execution_count"), anchor
+    lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    return (lines[-1] if lines else "papermill failed without a message"), None, False
 
 
 # ---------------------------------------------------------------------------------------------
