@@ -11,6 +11,7 @@ Each notebook then receives only the names it declares, plus `run_dir`.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,21 @@ from .errors import LabInputError
 RESERVED = ("run_dir",)
 
 _PLAIN_SCALARS = (bool, int, float, str, type(None))
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML with 1.2 floats: `1e-3` is a number (YAML 1.1, PyYAML's default, reads it as a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.[0-9_]+(?:[eE][-+]?[0-9]+)?)$"),
+    list("-+0123456789."))
+
+
+def read_yaml(text: str):
+    """A YAML document read with the lab's loader (safe, 1.2-style floats)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 
 
 @dataclass(frozen=True)
@@ -62,7 +78,7 @@ def load_params_file(path: str | Path | None) -> dict[str, Any]:
     if not path.is_file():
         raise LabInputError(f"{path}: no such parameters file (expected a YAML mapping such as params/quick.yaml)")
     try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        loaded = read_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -84,7 +100,7 @@ def parse_overrides(pairs: list[list[str]] | None) -> dict[str, Any]:
     overrides = {}
     for name, text in pairs or []:
         try:
-            overrides[name] = yaml.safe_load(text) if text.strip() else ""
+            overrides[name] = read_yaml(text) if text.strip() else ""
         except yaml.YAMLError:
             raise LabInputError(f"-p {name} {text!r}: not a YAML literal "
                                 "(write e.g. 64, 1e-3, cpu, null, or [64, 128])") from None

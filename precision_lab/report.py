@@ -162,7 +162,7 @@ def select_notebooks(every_notebook: list[Path], selection: str | None) -> list[
         if not any(nb.stem.startswith(prefix) for nb in every_notebook):
             names = ", ".join(nb.stem for nb in every_notebook)
             raise LabInputError(f"--notebooks: no notebook starts with {prefix!r}; there are: {names}")
-    return [nb for nb in every_notebook if any(nb.stem.startswith(p) for p in prefixes)]
+    return [nb for nb in every_notebook if any(nb.stem == p or nb.stem.startswith(p) for p in prefixes)]
 
 
 def check_kernel(name: str) -> None:
@@ -211,7 +211,9 @@ def execute(plan: RunPlan) -> int:
         provenance = prov.collect(plan.run_id, plan.values, params_file=plan.params_file,
                                   notebooks=[nb.stem for nb in plan.notebooks], notebooks_dir=str(plan.notebooks_dir),
                                   command_line=plan.command_line, rerun_of=plan.rerun_of,
-                                  options={"show_code": plan.show_code, "cell_timeout": plan.cell_timeout})
+                                  options={"show_code": plan.show_code, "cell_timeout": plan.cell_timeout,
+                                           "reports_dir": str(plan.reports_dir.resolve()),
+                                           "runs_dir": str(plan.runs_dir.resolve())})
         _say(f"run {plan.run_id}: {len(plan.notebooks)} notebook(s), device {provenance['device'].get('device')}")
         outcomes = []
         for index, notebook in enumerate(plan.notebooks, 1):

@@ -1,0 +1,132 @@
+"""Parameters: YAML files and `-p` overrides checked against the notebooks' parameters cells."""
+from pathlib import Path
+
+import pytest
+
+from precision_lab import params
+from precision_lab.errors import LabInputError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "notebooks"
+
+
+@pytest.fixture(scope="module")
+def declared():
+    return {nb.stem: params.notebook_parameters(nb) for nb in sorted(FIXTURES.glob("*.ipynb"))}
+
+
+def check(values, declared, where="-p"):
+    return params.validate(values, {k: f"{where} {k}" for k in values}, declared)
+
+
+def test_notebook_parameters_reads_literal_defaults(declared):
+    gradients = declared["01-fixture-gradients"]
+    assert gradients["size"].default == 32
+    assert gradients["candidates"].default == ["native"]
+    assert gradients["candidate_label"].default is None
+    assert gradients["fail"].default is False
+    assert declared["02-fixture-sleep"]["sleep_s"].default == 0.0
+
+
+def test_overrides_are_yaml_literals():
+    parsed = params.parse_overrides([["size", "64"], ["sizes", "[64, 128]"], ["lr", "1e-3"], ["device", "cpu"],
+                                     ["image", "null"], ["fail", "true"], ["candidate_label", ""]])
+    assert parsed == {"size": 64, "sizes": [64, 128], "lr": 1e-3, "device": "cpu", "image": None, "fail": True,
+                      "candidate_label": ""}
+
+
+def test_scientific_notation_is_a_number_in_files_too(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("lr: 1e-3\nadam_lr: 2.5E+2\nname: 1e-3x\n")
+    assert params.load_params_file(path) == {"lr": 1e-3, "adam_lr": 250.0, "name": "1e-3x"}
+
+
+def test_overrides_win_over_the_file(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("size: 64\nseed: 1\n")
+    values, sources = params.merge(params.load_params_file(path), {"size": 32}, path)
+    assert values == {"size": 32, "seed": 1}
+    assert sources["size"] == "-p size" and sources["seed"] == f"{path}: key 'seed'"
+
+
+def test_valid_values_pass_and_int_becomes_float_where_the_default_is_float(declared):
+    values = check({"size": 16, "candidates": ["native"], "sleep_s": 1, "fail": False}, declared)
+    assert values["sleep_s"] == 1.0 and isinstance(values["sleep_s"], float)
+    assert values["size"] == 16
+
+
+def test_none_default_accepts_a_string(declared):
+    assert check({"candidate_label": "<b>mine</b>"}, declared)["candidate_label"] == "<b>mine</b>"
+
+
+@pytest.mark.parametrize("values, words", [
+    ({"sizee": 16}, ["-p sizee", "unknown parameter 'sizee'", "size"]),
+    ({"size": "big"}, ["-p size", "an integer", "32", "01-fixture-gradients"]),
+    ({"size": 16.5}, ["-p size", "an integer"]),
+    ({"size": True}, ["-p size", "an integer"]),
+    ({"fail": 1}, ["-p fail", "a boolean"]),
+    ({"sleep_s": "long"}, ["-p sleep_s", "a number"]),
+    ({"candidates": "native"}, ["-p candidates", "a list"]),
+    ({"candidates": [1]}, ["-p candidates[0]", "a string"]),
+    ({"size": {"a": 1}}, ["-p size", "plain literals"]),
+    ({"run_dir": "/tmp/x"}, ["-p run_dir", "set by `precision-lab run`"]),
+    ({"size": 4}, ["-p size", "≥ 8"]),
+    ({"device": "quantum"}, ["-p device", "unknown device 'quantum'"]),
+    ({"candidates": ["no-such-candidate"]}, ["-p candidates[0]", "no-such-candidate"]),
+])
+def test_bad_values_name_the_key_and_the_expectation(declared, values, words):
+    with pytest.raises(LabInputError) as caught:
+        check(values, declared)
+    message = str(caught.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, message
+
+
+def test_type_errors_name_the_params_file(tmp_path, declared):
+    path = tmp_path / "mine.yaml"
+    path.write_text("size: [1, 2]\n")
+    values, sources = params.merge(params.load_params_file(path), {}, path)
+    with pytest.raises(LabInputError, match=r"mine\.yaml: key 'size': expected an integer"):
+        params.validate(values, sources, declared)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("size: [1, 2\n", ["not valid YAML", "line"]),
+    ("- size\n- 64\n", ["expected a YAML mapping", "list"]),
+    ("1: 64\n", ["key 1 is not a parameter name"]),
+])
+def test_bad_params_files(tmp_path, text, words):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(LabInputError) as caught:
+        params.load_params_file(path)
+    assert str(caught.value).startswith(str(path))
+    for word in words:
+        assert word in str(caught.value)
+
+
+def test_missing_params_file_and_empty_file(tmp_path):
+    with pytest.raises(LabInputError, match="no such parameters file"):
+        params.load_params_file(tmp_path / "absent.yaml")
+    (tmp_path / "empty.yaml").write_text("# nothing\n")
+    assert params.load_params_file(tmp_path / "empty.yaml") == {}
+
+
+def test_each_notebook_gets_only_what_it_declares_plus_run_dir(declared):
+    values = {"size": 16, "sleep_s": 2.0}
+    assert params.for_notebook(values, declared["02-fixture-sleep"], "/runs/x") == {"sleep_s": 2.0, "run_dir": "/runs/x"}
+    assert params.for_notebook(values, declared["01-fixture-gradients"], "/runs/x") == {"size": 16, "run_dir": "/runs/x"}
+
+
+def test_a_non_literal_default_is_refused(tmp_path):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    cell = new_code_cell("size = 2 ** 10")
+    cell.metadata["tags"] = ["parameters"]
+    path = tmp_path / "derived.ipynb"
+    notebook = new_notebook(cells=[cell])
+    notebook.metadata["kernelspec"] = {"name": "precision-lab", "display_name": "precision-lab", "language": "python"}
+    nbformat.write(notebook, path)
+    with pytest.raises(LabInputError, match="literal values only"):
+        params.notebook_parameters(path)
