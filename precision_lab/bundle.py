@@ -431,12 +431,12 @@ def read_bundle(directory: str | Path, kinds: tuple[str, ...] = KINDS,
 def read_response(directory: str | Path, precision: str, weight_layout: str,
                   input_shape: tuple[int, ...]) -> Bundle:
     """Read a candidate's response to a request with this precision, layout and input shape."""
-    bundle = read_bundle(directory, ("response",), input_shape)
-    path = Path(directory) / MANIFEST
+    manifest = read_manifest(directory, ("response",))
     for key, expected in (("precision", precision), ("weight_layout", weight_layout)):
-        if bundle.manifest[key] != expected:
-            raise BundleError(f"{path}: key {key!r} is {bundle.manifest[key]!r}, expected {expected!r} as in the request")
-    return bundle
+        if manifest[key] != expected:
+            raise BundleError(f"{Path(directory) / MANIFEST}: key {key!r} is {manifest[key]!r}, "
+                              f"expected {expected!r} as in the request")
+    return read_bundle(directory, ("response",), input_shape)
 
 
 # ---------------------------------------------------------------------------------------------

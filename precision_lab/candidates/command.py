@@ -174,7 +174,7 @@ class CommandProgram:
                 bundle = read_response(response, exchange_precision, self.weight_layout, problem.input.shape)
             except BundleError as exc:
                 raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): bad response: "
-                                            f"{str(exc).replace(str(workdir), '<workdir>')}") from None
+                                            f"{str(exc).replace(str(workdir) + os.sep, '')}") from None
             result = result_from_bundle(bundle)
         result.meta.update(wall_s=wall_s, command=argv[0], exchange_precision=exchange_precision,
                            weight_layout=self.weight_layout)

@@ -1,0 +1,240 @@
+"""Command candidates: the YAML, the call (no shell, temporary folder, timeout, environment) and every failure."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from precision_lab import cli
+from precision_lab.candidates import CandidateError, resolve
+from precision_lab.candidates.command import CommandCandidateError, load_command_candidate
+from precision_lab.errors import LabInputError
+from precision_lab.problem import PARAM_NAMES, forward_backward, make_problem
+
+SIZE = 12  # the fake program computes nothing heavy; the lab's side stays small too
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "python" / "candidate.py"
+
+# A stand-in program: MODE picks a behaviour; "good" answers with the numpy example's results.
+FAKE = textwrap.dedent('''
+    import json, os, sys, time
+    from pathlib import Path
+    import numpy as np
+    mode, request, response = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    Path("cwd.txt").write_text(os.getcwd())
+    Path(sys.argv[4] if len(sys.argv) > 4 else "env.json").write_text(json.dumps(dict(os.environ)))
+    if mode == "fail":
+        sys.stderr.write("reading input...\\nsegmentation fault in conv2_backward at line 42\\n")
+        sys.exit(3)
+    if mode == "sleep":
+        time.sleep(30)
+    if mode == "silent":
+        sys.exit(0)
+    sys.path.insert(0, os.environ["EXAMPLE_DIR"])
+    import candidate
+    candidate.main(request, response)
+    meta = json.loads((response / "bundle.json").read_text())
+    with np.load(response / "arrays.npz") as data:
+        arrays = dict(data)
+    if mode == "malformed":
+        (response / "bundle.json").write_text("{oops")
+    if mode == "missing":
+        del arrays["conv2.weight.grad"]
+    if mode == "shape":
+        arrays["conv1.weight.grad"] = arrays["conv1.weight.grad"].reshape(-1)
+    if mode == "nan":
+        arrays["conv3.bias.grad"][0] = np.nan
+    if mode == "pickle":
+        arrays["loss"] = np.array([{"loss": 1}], dtype=object)
+    if mode == "precision":
+        meta["precision"] = "float64"
+    np.savez(response / "arrays.npz", **arrays)
+    if mode != "malformed":
+        (response / "bundle.json").write_text(json.dumps(meta))
+''')
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return make_problem(SIZE, 2, seed=5)
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    (tmp_path / "fake.py").write_text(FAKE)
+    monkeypatch.setenv("PRECISION_LAB_TEST_SECRET", "must-not-leak")
+    return tmp_path
+
+
+def _yaml(folder: Path, mode: str = "good", **overrides) -> Path:
+    spec = {"name": f"fake-{mode}", "command": ["{python}", "fake.py", mode, "{request}", "{response}"],
+            "precision": "float32", "weight_layout": "HWIO", "timeout_s": 60,
+            "env": {"EXAMPLE_DIR": str(EXAMPLE.parent)}}
+    spec.update(overrides)
+    spec = {k: v for k, v in spec.items() if v is not None}
+    path = folder / f"{mode}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _fails(path, problem, pattern, precision="float32"):
+    candidate = load_command_candidate(path)
+    with pytest.raises(CommandCandidateError, match=pattern) as info:
+        candidate.compute(problem, precision)
+    assert "\n" not in str(info.value) and isinstance(info.value, LabInputError)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# a working program
+
+
+def test_good_program_returns_its_gradients_in_oihw(folder, problem):
+    candidate = resolve(str(_yaml(folder)))
+    assert (candidate.family, candidate.weight_layout, candidate.has_float64) == ("command", "HWIO", False)
+    result = candidate.compute(problem)
+    reference = forward_backward(problem, "float64")
+    assert result.meta["wall_s"] > 0
+    for name in PARAM_NAMES:  # sent as HWIO, read back through HWIO: must agree with OIHW float64
+        assert result.grads[name].dtype == np.float32
+        np.testing.assert_allclose(result.grads[name], reference.grads[name], rtol=0, atol=1e-5)
+    assert result.loss == pytest.approx(reference.loss, rel=1e-5)
+
+
+def test_float64_runs_command_float64_with_a_float64_request(folder, problem):
+    path = _yaml(folder, command_float64=["{python}", "fake.py", "good", "{request}", "{response}", "env64.json"])
+    candidate = load_command_candidate(path)
+    assert candidate.has_float64
+    result = candidate.compute(problem, "float64")
+    assert result.grads["conv2.weight"].dtype == np.float64
+    assert result.meta["exchange_precision"] == "float64"
+    reference = forward_backward(problem, "float64")
+    np.testing.assert_allclose(result.grads["conv2.weight"], reference.grads["conv2.weight"], rtol=1e-9, atol=1e-15)
+
+
+def test_no_command_float64_means_no_float64_build(folder, problem):
+    candidate = load_command_candidate(_yaml(folder))
+    with pytest.raises(CandidateError, match="no float64 build"):
+        candidate.compute(problem, "float64")
+
+
+def test_runs_in_a_temporary_folder_with_the_documented_environment(folder, problem):
+    load_command_candidate(_yaml(folder, command=["{python}", str(folder / "fake.py"), "good", "{request}",
+                                                  "{response}", str(folder / "env.json")])).compute(problem)
+    env = json.loads((folder / "env.json").read_text())
+    assert "PRECISION_LAB_TEST_SECRET" not in env  # the lab's own environment is not inherited
+    assert env["PRECISION_LAB_PRECISION"] == "float32" and env["EXAMPLE_DIR"] == str(EXAMPLE.parent)
+    assert Path(env["PRECISION_LAB_REQUEST"]).name == "request"
+    assert env["TMPDIR"] == str(Path(env["PRECISION_LAB_REQUEST"]).parent)
+    assert not (folder / "cwd.txt").exists()  # the command ran elsewhere: in the temporary folder
+    assert not Path(env["TMPDIR"]).exists()  # which is gone afterwards
+
+
+def test_tf32_claim_sends_float32_arrays(folder, problem):
+    result = load_command_candidate(_yaml(folder, precision="tf32")).compute(problem)
+    assert result.meta["exchange_precision"] == "tf32" and result.grads["conv1.weight"].dtype == np.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# the program fails
+
+
+def test_command_not_found_on_path(folder, problem):
+    path = _yaml(folder, command=["no-such-program-xyz", "{request}", "{response}"])
+    _fails(path, problem, r"key 'command': command 'no-such-program-xyz' not found on PATH")
+
+
+def test_relative_program_not_found(folder, problem):
+    path = _yaml(folder, command=["./build/impl", "{request}", "{response}"])
+    _fails(path, problem, r"program './build/impl' not found \(looked for .*build/impl\)")
+
+
+def test_program_not_executable(folder, problem):
+    (folder / "impl").write_text("#!/bin/sh\nexit 0\n")
+    os.chmod(folder / "impl", 0o644)
+    _fails(_yaml(folder, command=["./impl", "{request}", "{response}"]), problem, r"'.*impl' is not executable")
+
+
+def test_non_zero_exit_shows_the_end_of_stderr(folder, problem):
+    message = _fails(_yaml(folder, "fail"), problem, "command exited with status 3")
+    assert "segmentation fault in conv2_backward at line 42" in message
+
+
+def test_timeout(folder, problem):
+    message = _fails(_yaml(folder, "sleep", timeout_s=1.5), problem, r"timed out after 1.5 s \(key 'timeout_s'\)")
+    assert "fake-sleep" in message
+
+
+def test_no_response(folder, problem):
+    _fails(_yaml(folder, "silent"), problem, r"bad response: response/bundle.json: missing")
+
+
+def test_malformed_response(folder, problem):
+    _fails(_yaml(folder, "malformed"), problem, r"bad response: .*bundle.json: not valid JSON")
+
+
+def test_missing_array_in_response(folder, problem):
+    _fails(_yaml(folder, "missing"), problem,
+           r"arrays.npz has no 'conv2.weight.grad' \(expected shape \(3, 3, 16, 16\) in layout HWIO\)")
+
+
+def test_wrong_shape_in_response(folder, problem):
+    _fails(_yaml(folder, "shape"), problem, r"'conv1.weight.grad' has shape \(144,\), expected shape \(3, 3, 1, 16\)")
+
+
+def test_non_finite_response(folder, problem):
+    _fails(_yaml(folder, "nan"), problem, r"'conv3.bias.grad' holds 1 NaN or infinite values")
+
+
+def test_pickled_response(folder, problem):
+    _fails(_yaml(folder, "pickle"), problem, r"'loss' holds Python objects \(a pickle\)")
+
+
+def test_response_in_another_precision(folder, problem):
+    _fails(_yaml(folder, "precision"), problem, r"bundle.json: key 'precision' is 'float64', expected 'float32' as in the request")
+
+
+# ---------------------------------------------------------------------------------------------
+# the YAML is wrong
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    ({"weight_layout": "HWIOO"}, r"key 'weight_layout': unknown weight layout 'HWIOO'"),
+    ({"precision": "float8"}, r"key 'precision' is 'float8', expected one of float64, float32, tf32"),
+    ({"command": "./impl {request} {response}"}, r"key 'command' must be a non-empty list of arguments"),
+    ({"command": ["./impl", "{request}"]}, r"key 'command' never mentions \"\{response\}\""),
+    ({"command_float64": []}, r"key 'command_float64' must be a non-empty list"),
+    ({"timeout_s": -1}, r"key 'timeout_s' is -1, expected a positive number of seconds"),
+    ({"env": ["A=1"]}, r"key 'env' must map variable names to strings"),
+    ({"comand": ["x"]}, r"unknown key 'comand': expected keys among name, description, command"),
+    ({"name": ""}, r"key 'name' must be a non-empty string"),
+])
+def test_bad_yaml_keys(folder, overrides, pattern):
+    with pytest.raises(CommandCandidateError, match=pattern):
+        load_command_candidate(_yaml(folder, **overrides))
+
+
+def test_unreadable_yaml(folder):
+    (folder / "broken.yaml").write_text("command: [unclosed\n")
+    with pytest.raises(CommandCandidateError, match=r"broken.yaml: not valid YAML"):
+        load_command_candidate(folder / "broken.yaml")
+    (folder / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(CommandCandidateError, match=r"list.yaml: expected a YAML mapping"):
+        load_command_candidate(folder / "list.yaml")
+    with pytest.raises(CommandCandidateError, match=r"nope.yaml: no such candidate file"):
+        load_command_candidate(folder / "nope.yaml")
+
+
+def test_cli_exits_2_with_one_line_for_a_failing_candidate(folder, capsys):
+    parser = cli.build_parser()
+    if "diagnose" not in parser._subparsers._group_actions[0].choices:
+        pytest.skip("precision_lab.diagnose (issue 3) is not written yet")
+    code = cli.main(["diagnose", "--candidate", str(_yaml(folder, "fail")), "--size", str(SIZE)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.count("\n") == 0 and "exited with status 3" in err and "Traceback" not in err
