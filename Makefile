@@ -11,7 +11,7 @@ TORCH_INDEX ?=
 PARAMS      ?= params/seed.yaml
 KERNEL      := precision-lab
 
-.PHONY: help setup system-deps reports quick test bench clean
+.PHONY: help setup system-deps reports quick lab test bench clean
 
 help: ## show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -49,6 +49,10 @@ system-deps: ## install gfortran and headless chromium when missing (needs root 
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	  else echo "note: missing$$missing (not root or no apt-get): the tests that need them will be skipped"; fi; \
 	fi
+
+lab: setup ## open the notebooks in JupyterLab (installed into .venv on first use)
+	@$(PYTHON) -c 'import jupyterlab' 2>/dev/null || $(PYTHON) -m pip install -q -e ".[lab]"
+	$(VENV)/bin/jupyter lab notebooks/
 
 test: setup system-deps ## run the test suite (unit tests, notebooks with quick parameters, end-to-end checks)
 	$(PYTHON) -m pytest -q
