@@ -4,6 +4,7 @@ import base64
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -16,10 +17,12 @@ import torch
 import yaml
 
 from precision_lab import report
+from precision_lab.candidates import resolve
 from precision_lab.paths import NOTEBOOKS_DIR, PARAMS_DIR, ROOT
 
 FIXTURES = Path(__file__).parent / "fixtures" / "notebooks"
 XSS = "<script>alert(1)</script>"
+CHROMIUM_FOUND = bool(shutil.which("chromium") and shutil.which("chromedriver"))
 
 
 def run_lab(*args, cwd=ROOT):
@@ -208,6 +211,15 @@ def test_real_notebooks_with_quick_parameters(tmp_path):
         assert (tmp_path / "reports" / "quick" / f"{name}.html").is_file()
     assert len(re.findall(r'class="status-ok"', index)) == len(notebooks)
     summaries = pd.concat([pd.read_csv(p) for p in (tmp_path / "runs" / "quick").glob("*/summary.csv")])
-    for candidate in yaml.safe_load(quick.read_text())["candidates"]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runnable = [c for c in yaml.safe_load(quick.read_text())["candidates"] if resolve(c).supports(device)]
+    assert runnable
+    for candidate in runnable:
         assert f"<th>{candidate}</th>" in index
         assert candidate in set(summaries["candidate"])
+    if CHROMIUM_FOUND:  # the same run in the browser (tests/test_browser.py), rather than running it twice
+        from test_browser import check_run_in_browser
+
+        problems = check_run_in_browser(tmp_path / "reports" / "quick", tmp_path / "runs" / "quick" / "index.png",
+                                        tmp_path / "profile")
+        assert problems == {page: [] for page in problems}
