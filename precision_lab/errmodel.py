@@ -1,31 +1,99 @@
-"""Error-accumulation model (PROVISIONAL: issue 3 replaces this with the full model).
+"""Error-accumulation model: how large rounding error can be, per element, at a claimed precision.
 
-Per gradient element: n accumulated terms and S = Σ|terms| (the same convolution applied to
-absolute values), and the probabilistic bound λ·√n·u·S of Higham & Mary (2019, Thm 3.1).
+Every quantity the network produces is an inner product (a sum of n products) or a chain of
+them. For one sum s = Σ xᵢ·yᵢ computed at unit roundoff u the model uses
+
+* n, the number of accumulated terms: k·k·C_in (+1 for the bias) for a forward output,
+  k·k·C_out for an input gradient, batch·H·W for a weight or bias gradient;
+* S = Σ|xᵢ·yᵢ|, the absolute-term sum: the same convolution applied to |x| and |y|
+  (the condition number is S / |s|; MSE gradients cancel heavily, so errors scale with S);
+* the deterministic bound |ŝ − s| ≤ γₙ·S, γₙ = nu/(1 − nu) (Higham 2002, Eq. 3.4 and §3.1);
+* the probabilistic bound |ŝ − s| ≤ γ̃ₙ(λ)·S, γ̃ₙ(λ) = exp(λ√n·u + nu²/(1 − u)) − 1, which
+  holds with probability ≥ Q(λ, n) = 1 − 2n·exp(−λ²(1 − u)²/2) when rounding errors are
+  independent and of mean zero (Higham & Mary 2019, SIAM J. Sci. Comput. 41(5), Thm 2.4, 3.1);
+  it is the bound verdicts use: it covers every summation order, sequential included;
+* pairwise summation: γ_⌈log₂n⌉·S (Higham 2002, Eq. 4.6); blocked with block b:
+  γ_(b + ⌈n/b⌉ − 2)·S (Blanchard, Higham & Mary 2020, SIAM J. Sci. Comput. 42(3), Eq. 2.3);
+* reduced formats (tf32, fp16: u = 2⁻¹¹; bf16: u = 2⁻⁸) round the convolution *operands*
+  and accumulate in float32; an operand rounding error is at most r(x) = u_f·|x| + η_f/2
+  (η_f the subnormal spacing), independent and of mean zero per operand, so their effect on a
+  sum is at most λ·√(2·Σ(r(x)²y² + x²r(y)²)) with the probability of Hoeffding's inequality
+  (the model of Higham & Mary 2019, §2, applied to the operands), two more convolutions.
+
+Errors propagate: an upstream error E enters the next sum through |W| (forward), |W| and
+the ReLU mask (backward) and |a|, |g| (weight gradients), summed in absolute value (a
+deterministic worst case). A ReLU whose pre-activation lies within its own error bound may
+flip: the gradient through it is then wholly uncertain (|h| + E_h). Elements with S = 0 (dead
+channels) are computed exactly by any order; their bound gets a floor of one unit roundoff of
+the tensor's largest S so that a ratio never divides by zero.
+
+Bounds are evaluated in float32 from the float64 reference (memory and speed at 1024²); the
+float32 evaluation of a sum of non-negative terms is within γ̃ₙ(λ) ≤ 7e-4 of exact at
+n = 2²¹, covered by the EVALUATION_MARGIN below.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from . import formats
-from .problem import KERNEL_SIZE, LAYERS, NativeConv, Trace
+from .problem import CHANNELS, KERNEL_SIZE, LAYERS, PARAM_NAMES, NativeConv, Trace
 
-#: λ of Higham & Mary (2019): the bound fails with probability ≤ 2·exp(-λ²(1-u)²/2) per sum
-LAMBDA = 6.0
+#: λ of Higham & Mary (2019): Q(7, 2²¹) ≥ 0.9999, i.e. the bound fails for fewer than 1 in 10⁴ sums
+LAMBDA = 7.0
+
+#: relative headroom for evaluating bounds in float32: γ̃_{2²¹}(7) at u = 2⁻²⁴ is 6.1e-4 < 2⁻⁸
+EVALUATION_MARGIN = 1.0 + 2.0 ** -8
+
+#: smallest spacing of each format (subnormals): the absolute part of an operand's rounding error
+SUBNORMAL_SPACING = {"float64": 2.0 ** -1074, "float32": 2.0 ** -149, "tf32": 2.0 ** -149,
+                     "bfloat16": 2.0 ** -133, "float16": 2.0 ** -24}
+
+#: formats whose arithmetic accumulates in float32 but whose convolution operands are rounded
+ROUNDED_OPERANDS = formats.REDUCED_FORMATS
+
+QUANTITIES = ("loss", "output") + PARAM_NAMES
 
 
-def abs_term_sums(trace: Trace) -> dict[str, np.ndarray]:
-    """S for each gradient and for the output: the sums recomputed on |operands|."""
-    conv = NativeConv()
-    sums = {}
-    for k, layer in enumerate(LAYERS):
-        a, g = trace.activations[k].abs(), trace.output_grads[k].abs()
-        sums[f"{layer}.weight"] = conv.weight_grad(a, g).cpu().numpy()
-        sums[f"{layer}.bias"] = g.sum(dim=(0, 2, 3)).cpu().numpy()
-    return sums
+# ---------------------------------------------------------------------------------------------
+# scalar factors
+
+
+def gamma(n: int, u: float) -> float:
+    """Deterministic γₙ = nu/(1 − nu) (Higham 2002, Lemma 3.1); inf when nu ≥ 1."""
+    return n * u / (1 - n * u) if n * u < 1 else math.inf
+
+
+def probabilistic_gamma(n: int, u: float, lam: float = LAMBDA) -> float:
+    """γ̃ₙ(λ) = exp(λ√n·u + nu²/(1 − u)) − 1 (Higham & Mary 2019, Thm 2.4)."""
+    return math.expm1(lam * math.sqrt(n) * u + n * u * u / (1 - u))
+
+
+def failure_probability(n: int, lam: float = LAMBDA, u: float = formats.UNIT_ROUNDOFF["float32"]) -> float:
+    """1 − Q(λ, n) = 2n·exp(−λ²(1 − u)²/2): chance the probabilistic bound fails for one sum (Thm 3.1)."""
+    return min(1.0, 2 * n * math.exp(-lam * lam * (1 - u) ** 2 / 2))
+
+
+def pairwise_gamma(n: int, u: float) -> float:
+    """γ_⌈log₂ n⌉: pairwise (cascade) summation (Higham 2002, Eq. 4.6)."""
+    return gamma(max(1, math.ceil(math.log2(max(n, 2)))), u)
+
+
+def blocked_gamma(n: int, u: float, block: int = 256) -> float:
+    """γ_(b + ⌈n/b⌉ − 2): blocked summation, block b (Blanchard, Higham & Mary 2020, Eq. 2.3)."""
+    return gamma(max(1, block + math.ceil(n / block) - 2), u)
+
+
+def summation_factors(n: int, precision: str = "float32", lam: float = LAMBDA, block: int = 256) -> dict[str, float]:
+    """Every bound factor (multiply by S) for an n-term sum at `precision`, with λ's failure probability."""
+    u = formats.unit_roundoff(precision)
+    return {"n": n, "u": u, "deterministic": gamma(n, u), "probabilistic": probabilistic_gamma(n, u, lam),
+            "lambda": lam, "failure_probability": failure_probability(n, lam, u),
+            "pairwise": pairwise_gamma(n, u), "blocked": blocked_gamma(n, u, block), "block": block}
 
 
 def n_terms(trace: Trace) -> int:
@@ -34,13 +102,247 @@ def n_terms(trace: Trace) -> int:
     return int(x.shape[0] * x.shape[2] * x.shape[3])
 
 
-def probabilistic_bound(n: int, u: float, lam: float = LAMBDA) -> float:
-    """γ̃ₙ(λ) = exp(λ√n·u + n·u²/(1-u)) - 1 (Higham & Mary 2019, Theorem 3.1)."""
-    return math.expm1(lam * math.sqrt(n) * u + n * u * u / (1 - u))
+def terms_per_quantity(trace: Trace) -> dict[str, int]:
+    """n for every quantity: loss, output (forward sum of the last layer) and each gradient."""
+    per_image = n_terms(trace)
+    counts = {"loss": per_image, "output": KERNEL_SIZE * KERNEL_SIZE * CHANNELS[-2] + 1}
+    counts.update({name: per_image for name in PARAM_NAMES})
+    return counts
+
+
+def accumulation_precision(precision: str) -> str:
+    """The format sums are accumulated in: float32 for the reduced formats (tensor cores), else itself."""
+    return "float32" if precision in ROUNDED_OPERANDS else formats.PRECISIONS[formats.PRECISIONS.index(precision)]
+
+
+# ---------------------------------------------------------------------------------------------
+# per-element bounds
+
+
+@dataclass
+class QuantityBound:
+    """The bound on |computed − exact| for one quantity, element by element, with its parts."""
+
+    name: str
+    n: int
+    abs_sum: np.ndarray  # S
+    accumulation: np.ndarray  # γ̃ₙ(λ)·S
+    input_rounding: np.ndarray  # reduced-format operand rounding
+    propagated: np.ndarray  # upstream errors entering this sum
+    bound: np.ndarray  # total, floored, with evaluation margin
+    relu_flips: int = 0  # ReLU positions upstream whose sign the errors could flip
+
+    @property
+    def max(self) -> float:
+        return float(np.max(self.bound))
+
+
+@dataclass
+class _Ops:
+    """Float32 convolutions for bound evaluation (IEEE on GPU: no TF32 inside a bound)."""
+
+    conv: NativeConv = field(default_factory=NativeConv)
+
+    def forward(self, x, w):
+        return self.conv.forward(x, w)
+
+    def input_grad(self, g, w):
+        return self.conv.input_grad(g, w)
+
+    def weight_grad(self, x, g):
+        return self.conv.weight_grad(x, g)
+
+
+def _ieee(device: torch.device):
+    if device.type == "cuda":
+        from .conv.backends import native_flags
+
+        return native_flags(fp32_precision="ieee")
+    return contextlib.nullcontext()
+
+
+def _rounding_error(x: torch.Tensor, precision: str) -> torch.Tensor:
+    """r(x) = u_f·|x| + η_f/2: the largest error of rounding x to `precision` (zero if not rounded)."""
+    if precision not in ROUNDED_OPERANDS:
+        return torch.zeros_like(x)
+    return formats.unit_roundoff(precision) * x.abs() + SUBNORMAL_SPACING[precision] / 2
+
+
+def _rounding_term(op, x, y, precision: str, lam: float) -> torch.Tensor | float:
+    """λ·√(2·Σ(r(x)²y² + x²r(y)²)): rounded operands' effect on the sum op(x, y) (Hoeffding)."""
+    if precision not in ROUNDED_OPERANDS:
+        return 0.0
+    rx, ry = _rounding_error(x, precision), _rounding_error(y, precision)
+    return lam * torch.sqrt(2 * (op(rx * rx, y * y) + op(x * x, ry * ry)))
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float32)
+
+
+def _floored(bound: torch.Tensor, abs_sum: torch.Tensor, u: float) -> torch.Tensor:
+    # dead elements (S = 0) are exact in any order; floor at one u of the tensor's largest S
+    floor = max(u * float(abs_sum.max()), np.finfo(np.float32).tiny)
+    return torch.clamp(bound * EVALUATION_MARGIN, min=floor)
+
+
+def _quantity(name, n, abs_sum, acc, rnd, prop, u, flips=0) -> QuantityBound:
+    rnd = rnd if torch.is_tensor(rnd) else torch.zeros_like(abs_sum)
+    prop = prop if torch.is_tensor(prop) else torch.zeros_like(abs_sum)
+    bound = _floored(acc + rnd + prop, abs_sum, u)
+    as_np = lambda t: t.double().cpu().numpy()  # noqa: E731 - local shorthand
+    return QuantityBound(name, n, as_np(abs_sum), as_np(acc), as_np(rnd), as_np(prop), as_np(bound), flips)
+
+
+def error_bounds(trace: Trace, precision: str = "float32", lam: float = LAMBDA) -> dict[str, QuantityBound]:
+    """Per-element rounding bound for loss, output and every gradient of `trace` at `precision`.
+
+    `trace` is the float64 reference (it holds the exact-enough intermediates); `precision`
+    is the candidate's claimed arithmetic. Peak extra memory: about six float32 activation
+    tensors (≈0.8 GB at 1024², batch 2).
+    """
+    formats.unit_roundoff(precision)  # raises for an unknown precision
+    device = trace.activations[0].device
+    with torch.no_grad(), _ieee(device):
+        return _error_bounds(trace, precision, lam)
+
+
+def dependency_count(radius: int) -> int:
+    """χ* bound for a field whose element at p depends on roundings within `radius` of p.
+
+    Elements farther apart than 2·radius share no rounding event, so the dependency graph has
+    degree Δ ≤ (4·radius + 1)² − 1 and fractional chromatic number χ* ≤ Δ + 1 (Janson 2004).
+    """
+    return (4 * radius + 1) ** 2
+
+
+def _sum_of_errors(deterministic: torch.Tensor, squares: torch.Tensor, radius: int, lam: float) -> torch.Tensor:
+    """Bound on Σ c_p·e_p with |e_p| ≤ E_p mean-zero errors: min(Σ|c|E, λ·√(χ*·Σ c²E²)).
+
+    The second is Hoeffding's inequality for sums with a dependency graph (Janson 2004, Random
+    Struct. Alg. 24(3), Thm 2.1), failing with probability ≤ 2·exp(−λ²/2).
+    """
+    return torch.minimum(deterministic, lam * torch.sqrt(dependency_count(radius) * squares))
+
+
+def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, QuantityBound]:
+    ops = _Ops()
+    u = formats.unit_roundoff(accumulation_precision(precision))
+    n_grad = n_terms(trace)
+    weights = _weights_from_trace(trace)
+    out: dict[str, QuantityBound] = {}
+
+    # forward: E_z = γ̃·S_z + rounding + conv(E_a, |W|); ReLU is 1-Lipschitz so E_a(next) = E_z.
+    # act_radius[k]: how far (in pixels) the roundings behind a_k's error reach
+    act_errors, act_radius, flip_masks = [None], [-1], []  # the input is exact (float32 cast)
+    for k, layer in enumerate(LAYERS):
+        a, (w, b) = _f32(trace.activations[k]), weights[layer]
+        n_fwd = KERNEL_SIZE * KERNEL_SIZE * CHANNELS[k] + 1
+        abs_sum = ops.forward(a.abs(), w.abs()) + b.abs().view(1, -1, 1, 1)
+        acc = probabilistic_gamma(n_fwd, u, lam) * abs_sum
+        rnd = _rounding_term(ops.forward, a, w, precision, lam)
+        prop = ops.forward(act_errors[k], w.abs()) if act_errors[k] is not None else 0.0
+        error = acc + rnd + prop
+        del a
+        if k < len(LAYERS) - 1:
+            flip_masks.append(_f32(trace.preactivations[k]).abs() <= error)
+            act_errors.append(error)
+            act_radius.append(act_radius[k] + 1)
+        else:
+            out["output"] = _quantity("output", n_fwd, abs_sum, acc, rnd, prop, u)
+            output_error, output_radius = error, act_radius[k] + 1
+        del abs_sum, acc, rnd, prop
+
+    # loss = mean(r²): n positive terms (S = loss) plus the output error through 2|r|/N
+    residual = _f32(trace.output_grads[-1] * (trace.output_grads[-1].numel() / 2.0))  # r = y − t from 2r/N
+    n_out = residual.numel()
+    loss_sum = torch.tensor([float(trace.loss)], dtype=torch.float64)
+    first_order = _sum_of_errors((residual.abs() * output_error).sum().double(),
+                                 (residual * residual * output_error * output_error).sum().double(), output_radius, lam)
+    loss_prop = (2.0 / n_out) * first_order + (output_error.double() ** 2).sum() / n_out
+    out["loss"] = _quantity("loss", n_out, loss_sum, probabilistic_gamma(n_out + 2, u, lam) * loss_sum,
+                            0.0, loss_prop.reshape(1), u)
+
+    # backward: g_last = 2r/N; E_g = (2/N)(E_y + γ₂|r|); then through |W| and the ReLU masks.
+    # grad_error is mean-zero-modelled; grad_flips collects ReLU flips (deterministic, |h| at a flip)
+    grad_error = (2.0 / n_out) * (output_error + gamma(2, u) * residual.abs())
+    grad_flips, grad_radius = torch.zeros_like(grad_error), output_radius
+    del residual, output_error
+    for k in reversed(range(len(LAYERS))):
+        layer = LAYERS[k]
+        a, g, (w, _) = _f32(trace.activations[k]), _f32(trace.output_grads[k]), weights[layer]
+        flips = int(sum(int(m.sum()) for m in flip_masks[k:]))  # masks this gradient went through
+        radius = max(act_radius[k] + 1, grad_radius)
+        out[f"{layer}.weight"] = _weight_grad_bound(ops, layer, a, g, act_errors[k], grad_error, grad_flips, radius,
+                                                    n_grad, precision, u, lam, flips)
+        abs_g = g.abs()
+        bias_sum = abs_g.sum(dim=(0, 2, 3))
+        bias_prop = (_sum_of_errors(grad_error.sum(dim=(0, 2, 3)), (grad_error ** 2).sum(dim=(0, 2, 3)), grad_radius, lam)
+                     + grad_flips.sum(dim=(0, 2, 3)))
+        out[f"{layer}.bias"] = _quantity(f"{layer}.bias", n_grad, bias_sum, probabilistic_gamma(n_grad, u, lam) * bias_sum,
+                                         0.0, bias_prop, u, flips)
+        if k > 0:
+            grad_error, grad_flips = _input_grad_error(ops, g, abs_g, w, grad_error, grad_flips, flip_masks[k - 1],
+                                                       trace.preactivations[k - 1], precision, u, lam)
+            grad_radius += 1
+        del a, g, abs_g
+    return {name: out[name] for name in QUANTITIES}
+
+
+def _weights_from_trace(trace: Trace) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    params = trace.meta.get("params")
+    if params is None:
+        raise ValueError("the reference trace carries no parameters: build it with precision_lab.reference.reference()")
+    device = trace.activations[0].device
+    return {layer: (torch.as_tensor(params[f"{layer}.weight"], dtype=torch.float32, device=device),
+                    torch.as_tensor(params[f"{layer}.bias"], dtype=torch.float32, device=device))
+            for layer in LAYERS}
+
+
+def _weight_grad_bound(ops, layer, a, g, act_error, grad_error, grad_flips, radius, n, precision, u, lam,
+                       flips) -> QuantityBound:
+    abs_a, abs_g = a.abs(), g.abs()
+    abs_sum = ops.weight_grad(abs_a, abs_g)
+    acc = probabilistic_gamma(n, u, lam) * abs_sum
+    rnd = _rounding_term(ops.weight_grad, a, g, precision, lam)
+    # first order Σ(|a|E_g + E_a|g|) as a sum of mean-zero dependent errors; (x+y)² ≤ 2x² + 2y²
+    deterministic = ops.weight_grad(abs_a, grad_error)
+    squares = ops.weight_grad(a * a, grad_error * grad_error)
+    if act_error is not None:
+        deterministic = deterministic + ops.weight_grad(act_error, abs_g)
+        squares = 2 * (squares + ops.weight_grad(act_error * act_error, g * g))
+    prop = _sum_of_errors(deterministic, squares, radius, lam)
+    del deterministic, squares
+    # flips enter deterministically; second order Σ E_a·(E_g + flips)
+    if bool(grad_flips.any()):
+        prop = prop + ops.weight_grad(abs_a, grad_flips)
+    if act_error is not None:
+        prop = prop + ops.weight_grad(act_error, grad_error + grad_flips)
+    return _quantity(f"{layer}.weight", n, abs_sum, acc, rnd, prop, u, flips)
+
+
+def _input_grad_error(ops, g, abs_g, w, grad_error, grad_flips, flip_mask, preactivation, precision, u, lam):
+    """(E, F) of ∂loss/∂z one layer down: the input-gradient sum's bound E (mean-zero model) and
+    the ReLU-flip part F (deterministic: a flipped ReLU passes or blocks the whole |h|)."""
+    n_bwd = KERNEL_SIZE * KERNEL_SIZE * w.shape[0]
+    abs_w = w.abs()
+    error = (probabilistic_gamma(n_bwd, u, lam) * ops.input_grad(abs_g, abs_w)
+             + _rounding_term(ops.input_grad, g, w, precision, lam) + ops.input_grad(grad_error, abs_w))
+    active = _f32(preactivation) > 0
+    open_ = active | flip_mask  # where the candidate may pass the gradient
+    flips = ops.input_grad(grad_flips, abs_w) * open_ if bool(grad_flips.any()) else torch.zeros_like(error)
+    if bool(flip_mask.any()):
+        flips = flips + torch.where(flip_mask, ops.input_grad(g, w).abs(), torch.zeros_like(error))
+    return error * open_, flips
 
 
 def gradient_bounds(trace: Trace, precision: str = "float32") -> dict[str, np.ndarray]:
-    """Per-element bound on |ĝ - g| for every parameter gradient at `precision`."""
-    u = formats.unit_roundoff(precision)
-    factor = probabilistic_bound(n_terms(trace), u)
-    return {name: factor * s for name, s in abs_term_sums(trace).items()}
+    """Per-element bound on |ĝ − g| for every parameter gradient at `precision` (PARAM_NAMES keys)."""
+    bounds = error_bounds(trace, precision)
+    return {name: bounds[name].bound for name in PARAM_NAMES}
+
+
+def abs_term_sums(trace: Trace) -> dict[str, np.ndarray]:
+    """S for each gradient: the sums recomputed on |operands| (float32 evaluation)."""
+    bounds = error_bounds(trace, "float32")
+    return {name: bounds[name].abs_sum for name in PARAM_NAMES}

@@ -10,4 +10,5 @@ def reference(problem: Problem, device: str | torch.device = "cpu") -> Trace:
     """Float64 forward + backward of `problem` with every intermediate kept for the error model."""
     trace = forward_backward(problem, "float64", device, keep_trace=True)
     trace.meta["role"] = "reference"
+    trace.meta["params"] = dict(problem.params)  # the error model propagates bounds through |W|
     return trace
