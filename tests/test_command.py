@@ -228,6 +228,9 @@ def test_unreadable_yaml(folder):
         load_command_candidate(folder / "list.yaml")
     with pytest.raises(CommandCandidateError, match=r"nope.yaml: no such candidate file"):
         load_command_candidate(folder / "nope.yaml")
+    (folder / "huge.yaml").write_text("# padding\n" * 200_000)
+    with pytest.raises(CommandCandidateError, match=r"huge.yaml: 2000000 bytes is not a candidate YAML"):
+        load_command_candidate(folder / "huge.yaml")
 
 
 def test_cli_exits_2_with_one_line_for_a_failing_candidate(folder, capsys):

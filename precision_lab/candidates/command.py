@@ -46,6 +46,8 @@ REQUEST_FORMATS = ("npz", "raw")
 PASSTHROUGH_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES",
                    "CUDA_HOME", "CUDA_PATH", "NVIDIA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "VIRTUAL_ENV",
                    "CONDA_PREFIX", "SYSTEMROOT")
+#: a candidate YAML is a few lines; anything this large is the wrong file (and is not parsed)
+MAX_YAML_BYTES = 1 << 20
 #: characters of the command's stderr an error message shows (its end, where errors usually are)
 STDERR_TAIL = 1500
 
@@ -61,6 +63,9 @@ class CommandCandidateError(CandidateError, LabInputError):
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise CommandCandidateError(f"{path}: no such candidate file")
+    if path.stat().st_size > MAX_YAML_BYTES:
+        raise CommandCandidateError(f"{path}: {path.stat().st_size} bytes is not a candidate YAML "
+                                    f"(expected a few lines, at most {MAX_YAML_BYTES} bytes)")
     try:
         spec = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
