@@ -232,7 +232,8 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
     weights = _weights_from_trace(trace)
     out: dict[str, QuantityBound] = {}
 
-    # forward: E_z = γ̃·S_z + rounding + conv(E_a, |W|); ReLU is 1-Lipschitz so E_a(next) = E_z.
+    # forward: E_z = γ̃·S_z + rounding + conv(E_a, |W|); ReLU is 1-Lipschitz so E_a(next) = E_z
+    # where z may be positive, 0 where z ≤ −E_z.
     # act_radius[k]: how far (in pixels) the roundings behind a_k's error reach
     act_errors, act_radius, flip_masks = [None], [-1], []  # the input is exact (float32 cast)
     for k, layer in enumerate(LAYERS):
@@ -245,8 +246,10 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
         error = acc + rnd + prop
         del a
         if k < len(LAYERS) - 1:
-            flip_masks.append(_f32(trace.preactivations[k]).abs() <= error)
-            act_errors.append(error)
+            z = _f32(trace.preactivations[k])
+            flip_masks.append(z.abs() <= error)
+            act_errors.append(error * (z > -error))  # relu(z) is exactly 0 wherever z + E_z ≤ 0
+            del z
             act_radius.append(act_radius[k] + 1)
         else:
             out["output"] = _quantity("output", n_fwd, abs_sum, acc, rnd, prop, u)

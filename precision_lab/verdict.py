@@ -403,3 +403,28 @@ def _floor_row(name: str, member: str, deviation: np.ndarray, bound: errmodel.Qu
 def dumps(judgement: Judgement) -> str:
     """The diagnose JSON as text (no NaN/inf: JSON has neither)."""
     return json.dumps(judgement.to_json(), indent=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# sensitivity: the smallest single-element slip the verdict catches
+
+#: relative perturbation levels tried, 10^-5 … 1 in steps of 10^(1/4) (a quarter decade)
+SENSITIVITY_LEVELS = tuple(10.0 ** (e / 4) for e in range(-20, 1))
+
+
+def single_element_sensitivity(result: Result, reference: Trace, name: str, claimed_precision: str = "float32",
+                               index: tuple[int, ...] | None = None,
+                               levels: tuple[float, ...] = SENSITIVITY_LEVELS) -> tuple[float | None, tuple[int, ...]]:
+    """Smallest ε in `levels` for which g[index]·(1 + ε) in gradient `name` of a legitimate
+    `result` is no longer judged ``roundoff`` (None if none is caught); `index` defaults to the
+    element of largest |g|. The rest of the result is left as computed (its own rounding included)."""
+    bounds = errmodel.error_bounds(reference, claimed_precision)[name].bound
+    ref = np.asarray(reference.grads[name], np.float64)
+    got = np.asarray(result.grads[name], np.float64)
+    index = tuple(int(i) for i in np.unravel_index(np.argmax(np.abs(ref)), ref.shape)) if index is None else index
+    for level in sorted(levels):
+        slipped = got.copy()
+        slipped[index] *= 1 + level
+        if float(np.max(np.abs(slipped - ref) / bounds)) > 1.0:
+            return level, index
+    return None, index

@@ -1,0 +1,148 @@
+"""The error model's bounds hold against exact references, and how tight they are (observed ÷ bound)."""
+import math
+
+import mpmath
+import numpy as np
+import pytest
+import torch
+
+from precision_lab import errmodel, formats
+from precision_lab.candidates.zoo import sum_blocked, sum_kahan, sum_pairwise, sum_sequential
+from precision_lab.problem import PARAM_NAMES, Problem, forward_backward, make_problem
+from precision_lab.reference import reference
+
+U32 = formats.UNIT_ROUNDOFF["float32"]
+
+
+def exact_dot(x: np.ndarray, y: np.ndarray) -> float:
+    """Σ xᵢyᵢ exactly rounded: float32 products are exact in float64 (48 ≤ 53 bits), math.fsum is exact."""
+    return math.fsum((x.astype(np.float64) * y.astype(np.float64)).tolist())
+
+
+def test_fsum_reference_agrees_with_mpmath():
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal(2000).astype(np.float32), rng.standard_normal(2000).astype(np.float32)
+    with mpmath.workprec(300):
+        exact = mpmath.fsum(mpmath.mpf(float(a)) * mpmath.mpf(float(b)) for a, b in zip(x, y))
+    assert exact_dot(x, y) == float(exact)
+
+
+def test_factors_match_their_formulas():
+    n = 2 ** 21
+    assert errmodel.gamma(n, U32) == pytest.approx(n * U32 / (1 - n * U32))
+    assert errmodel.gamma(2 ** 25, U32) == math.inf  # nu ≥ 1: no deterministic bound
+    assert errmodel.probabilistic_gamma(n, U32, 7.0) == pytest.approx(7.0 * math.sqrt(n) * U32, rel=1e-3)
+    # λ = 7 makes the per-sum failure probability of Thm 3.1 below 1e-4 at the seed's n = 2·1024²
+    assert errmodel.failure_probability(n, 7.0) < 1e-4 < errmodel.failure_probability(n, 6.0)
+    assert errmodel.pairwise_gamma(n, U32) == pytest.approx(errmodel.gamma(21, U32))
+    assert errmodel.blocked_gamma(n, U32, 256) == pytest.approx(errmodel.gamma(256 + 8192 - 2, U32))
+    assert errmodel.dependency_count(0) == 1 and errmodel.dependency_count(2) == 81
+
+
+@pytest.mark.parametrize("data", ["cancelling", "positive"])
+def test_summation_bounds_hold_against_exact_sums(data):
+    rng = np.random.default_rng(7)
+    n, rows = 1 << 15, 16
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    y = rng.standard_normal((rows, n)).astype(np.float32)
+    if data == "positive":  # no cancellation: the case where rounding errors pile up
+        x, y = np.abs(x) + 1, np.abs(y) + 1
+    terms = (x * y).astype(np.float32)
+    exact = np.array([exact_dot(x[r], y[r]) for r in range(rows)])
+    # the products are rounded to float32 too: S bounds them as part of the n-term inner product
+    abs_sum = np.array([math.fsum(np.abs(x[r].astype(np.float64) * y[r]).tolist()) for r in range(rows)])
+    orders = {"sequential": (sum_sequential, errmodel.probabilistic_gamma(n, U32)),
+              "pairwise": (sum_pairwise, errmodel.pairwise_gamma(n, U32) + U32),
+              "blocked": (sum_blocked, errmodel.blocked_gamma(n, U32, 256) + U32),
+              "kahan": (sum_kahan, errmodel.probabilistic_gamma(n, U32))}
+    tightness = {}
+    for name, (reduce, factor) in orders.items():
+        error = np.abs(reduce(terms).astype(np.float64) - exact)
+        assert np.all(error <= errmodel.gamma(n, U32) * abs_sum), name  # deterministic, any order
+        assert np.all(error <= factor * abs_sum), name
+        tightness[name] = float(np.max(error / (factor * abs_sum)))
+    print(f"\n{data}: observed ÷ bound", {k: f"{v:.2e}" for k, v in tightness.items()})
+    if data == "positive":
+        # without cancellation sequential error grows like √n·u·S/3: the bound is within ~30× of it
+        assert tightness["sequential"] > 1 / 60
+    # compensated summation is far more accurate than sequential
+    assert tightness["kahan"] < tightness["sequential"] / 10
+
+
+@pytest.fixture(scope="module")
+def problem_and_reference():
+    problem = make_problem(48, 2, 3)
+    return problem, reference(problem)
+
+
+def _errors(result, trace):
+    out = {"loss": abs(result.loss - trace.loss), "output": np.abs(result.output - trace.output)}
+    out.update({name: np.abs(result.grads[name] - trace.grads[name]) for name in PARAM_NAMES})
+    return out
+
+
+def test_network_bounds_hold_for_float32_and_report_tightness(problem_and_reference):
+    problem, trace = problem_and_reference
+    bounds = errmodel.error_bounds(trace, "float32")
+    errors = _errors(forward_backward(problem, "float32"), trace)
+    ratios = {name: float(np.max(errors[name] / bounds[name].bound)) for name in errors}
+    print("\nfloat32 native, observed ÷ bound:", {k: f"{v:.2e}" for k, v in ratios.items()})
+    assert max(ratios.values()) <= 1.0
+    assert min(ratios.values()) > 1e-7  # a bound a million times too loose would be useless
+    assert set(bounds) == set(errmodel.QUANTITIES)
+    assert errmodel.gradient_bounds(trace, "float32").keys() == set(PARAM_NAMES)
+
+
+@pytest.mark.parametrize("fmt", ["tf32", "bfloat16", "float16"])
+def test_reduced_format_bounds_hold_for_emulated_formats(problem_and_reference, fmt):
+    problem, trace = problem_and_reference
+    bounds = errmodel.error_bounds(trace, fmt)
+    result = forward_backward(problem, "float32", round_inputs=lambda a: formats.round_to(a, fmt))
+    errors = _errors(result, trace)
+    ratios = {name: float(np.max(errors[name] / bounds[name].bound)) for name in errors}
+    assert max(ratios.values()) <= 1.0, ratios
+    # the same errors exceed the float32 bound: the format term is what makes them fit
+    f32 = errmodel.error_bounds(trace, "float32")
+    assert float(np.max(errors["output"] / f32["output"].bound)) > 1.0
+
+
+def test_float64_bounds_hold_and_shrink_by_about_u64_over_u32(problem_and_reference):
+    problem, trace = problem_and_reference
+    b64, b32 = errmodel.error_bounds(trace, "float64"), errmodel.error_bounds(trace, "float32")
+    shrink = np.median(b64["conv2.weight"].bound / b32["conv2.weight"].bound)
+    assert shrink == pytest.approx(2.0 ** -29, rel=0.1)
+
+
+def test_relu_flips_counted_when_errors_reach_preactivations(problem_and_reference):
+    _, trace = problem_and_reference
+    f32, bf16 = errmodel.error_bounds(trace, "float32"), errmodel.error_bounds(trace, "bfloat16")
+    assert bf16["conv1.weight"].relu_flips > f32["conv1.weight"].relu_flips
+    assert bf16["conv3.weight"].relu_flips == 0  # conv3's gradient passes no ReLU
+
+
+def test_dead_channel_gets_a_floor_not_a_zero_division():
+    problem = make_problem(32, 1, 0)
+    params = dict(problem.params)
+    weight = params["conv1.weight"].copy()
+    weight[0] = 0.0  # channel 0 of conv1: constant pre-activation
+    bias = params["conv1.bias"].copy()
+    bias[0] = -1.0  # … below zero: the channel is dead, its gradients exactly zero
+    params["conv1.weight"], params["conv1.bias"] = weight, bias
+    dead = Problem(problem.input, problem.target, params, problem.seed)
+    trace = reference(dead)
+    bounds = errmodel.error_bounds(trace, "float32")
+    s = bounds["conv2.weight"].abs_sum
+    assert np.all(s[:, 0] == 0) and np.all(bounds["conv2.weight"].bound[:, 0] > 0)
+    assert np.all(np.isfinite(bounds["conv2.weight"].bound))
+    # the floor is one unit roundoff of the tensor's largest S, far below the live elements' bounds
+    assert np.max(bounds["conv2.weight"].bound[:, 0]) < np.min(bounds["conv2.weight"].bound[:, 1:])
+
+
+def test_bounds_follow_the_trace_device_and_need_its_parameters(problem_and_reference):
+    problem, trace = problem_and_reference
+    bare = forward_backward(problem, "float64", keep_trace=True)
+    with pytest.raises(ValueError, match="carries no parameters"):
+        errmodel.error_bounds(bare)
+    with pytest.raises(ValueError, match="unknown precision"):
+        errmodel.error_bounds(trace, "float8")
+    assert trace.activations[0].device == torch.device("cpu")
