@@ -6,7 +6,8 @@ Reads the request bundle (bundle.json + arrays.npz, weights in the layout bundle
 runs one forward and backward of the 3-layer CNN (conv 3x3 pad 1 + bias, ReLU, conv, ReLU,
 conv; MSE loss, mean) in float32 (float64 when the request says so), and writes the response
 bundle: loss, conv{k}.weight.grad in the request's weight layout, conv{k}.bias.grad, output.
-Each 3x3 convolution is nine shifted matrix products ("shift and GEMM"), summed over the offsets.
+Each 3x3 convolution is nine shifted matrix products ("shift and GEMM", numpy's BLAS), summed
+over the kernel offsets.
 """
 import json
 import sys
@@ -17,35 +18,49 @@ import numpy as np
 LAYERS = ("conv1", "conv2", "conv3")
 
 
+def shifted(padded, p, q, h, width):
+    """The (N, C, H*W) window of a zero-padded batch at kernel offset (p, q), contiguous for BLAS."""
+    n, c = padded.shape[:2]
+    return np.ascontiguousarray(padded[:, :, p:p + h, q:q + width]).reshape(n, c, h * width)
+
+
+def pad(a):
+    return np.pad(a, ((0, 0), (0, 0), (1, 1), (1, 1)))
+
+
 def conv_forward(a, w, b):
     """Cross-correlation with padding 1: out[n,o,y,x] = b[o] + sum_{i,p,q} w[o,i,p,q] a[n,i,y+p-1,x+q-1]."""
     n, _, h, width = a.shape
-    padded = np.pad(a, ((0, 0), (0, 0), (1, 1), (1, 1)))
-    out = np.zeros((n, w.shape[0], h, width), a.dtype)
+    padded = pad(a)
+    out = np.zeros((n, w.shape[0], h * width), a.dtype)
     for p in range(3):
         for q in range(3):
-            out += np.einsum("oi,niyx->noyx", w[:, :, p, q], padded[:, :, p:p + h, q:q + width], optimize=True)
-    return out + b[None, :, None, None]
+            out += np.matmul(w[:, :, p, q], shifted(padded, p, q, h, width))
+    return out.reshape(n, w.shape[0], h, width) + b[None, :, None, None]
 
 
 def conv_weight_grad(a, g):
-    """dL/dw[o,i,p,q] = sum_{n,y,x} g[n,o,y,x] a[n,i,y+p-1,x+q-1]."""
-    _, _, h, width = a.shape
-    padded = np.pad(a, ((0, 0), (0, 0), (1, 1), (1, 1)))
-    grad = np.zeros((g.shape[1], a.shape[1], 3, 3), a.dtype)
+    """dL/dw[o,i,p,q] = sum_{n,y,x} g[n,o,y,x] a[n,i,y+p-1,x+q-1]: one (O, N*H*W) x (N*H*W, I) product per offset."""
+    n, c_in, h, width = a.shape
+    padded = pad(a).transpose(1, 0, 2, 3)  # (C, N, H+2, W+2): channels first, so a window is one matrix
+    g_matrix = np.ascontiguousarray(g.transpose(1, 0, 2, 3)).reshape(g.shape[1], n * h * width)
+    grad = np.zeros((g.shape[1], c_in, 3, 3), a.dtype)
     for p in range(3):
         for q in range(3):
-            grad[:, :, p, q] = np.tensordot(g, padded[:, :, p:p + h, q:q + width], axes=([0, 2, 3], [0, 2, 3]))
+            window = np.ascontiguousarray(padded[:, :, p:p + h, q:q + width]).reshape(c_in, n * h * width)
+            grad[:, :, p, q] = g_matrix @ window.T
     return grad
 
 
 def conv_input_grad(g, w):
     """dL/da[n,i,y,x] = sum_{o,p,q} w[o,i,p,q] g[n,o,y-p+1,x-q+1] (zero outside the image)."""
-    n, _, h, width = g.shape
+    n, c_out, h, width = g.shape
+    g_rows = g.reshape(n, c_out, h * width)
     padded = np.zeros((n, w.shape[1], h + 2, width + 2), g.dtype)
     for p in range(3):
         for q in range(3):
-            padded[:, :, p:p + h, q:q + width] += np.einsum("oi,noyx->niyx", w[:, :, p, q], g, optimize=True)
+            contribution = np.matmul(w[:, :, p, q].T, g_rows).reshape(n, w.shape[1], h, width)
+            padded[:, :, p:p + h, q:q + width] += contribution
     return padded[:, :, 1:h + 1, 1:width + 1]
 
 
