@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .candidates import Candidate, resolve
 from .device import resolve_device
+from .errmodel import attach_parameters
 from .errors import LabInputError
 from .problem import Problem, make_problem
 from .reference import reference
@@ -61,7 +62,7 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto") -> Ju
     if not candidate.supports(where):
         raise LabInputError(f"candidate {candidate.name} runs on {', '.join(candidate.devices)} only, not {where}")
     result = candidate.compute(problem, "float32", where)
-    trace = reference(problem, where)
+    trace = attach_parameters(reference(problem, where), problem.params)
     return judge(result, trace, candidate.claimed_precision, candidate.name)
 
 

@@ -292,6 +292,12 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
     return {name: out[name] for name in QUANTITIES}
 
 
+def attach_parameters(trace: Trace, params: dict[str, np.ndarray]) -> Trace:
+    """Record the float32 parameters a trace was computed with (the bounds propagate through |W|)."""
+    trace.meta.setdefault("params", dict(params))
+    return trace
+
+
 def _weights_from_trace(trace: Trace) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     params = trace.meta.get("params")
     if params is None:

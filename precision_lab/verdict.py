@@ -376,7 +376,8 @@ def noise_floor(problem: Problem, device: str | torch.device = "cpu", reference:
     from .candidates import registry
     from .reference import reference as make_reference
 
-    reference = reference if reference is not None else make_reference(problem, device)
+    reference = errmodel.attach_parameters(reference if reference is not None else make_reference(problem, device),
+                                           problem.params)
     bounds = errmodel.error_bounds(reference, "float32")
     legit = [c for c in registry().values() if c.family == "legitimate" and c.claimed_precision == "float32"
              and c.supports(device) and (members is None or c.name in members)]

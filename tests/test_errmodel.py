@@ -9,6 +9,7 @@ import torch
 from precision_lab import errmodel, formats
 from precision_lab.candidates.zoo import sum_blocked, sum_kahan, sum_pairwise, sum_sequential
 from precision_lab.problem import PARAM_NAMES, Problem, forward_backward, make_problem
+from precision_lab.errmodel import attach_parameters
 from precision_lab.reference import reference
 
 U32 = formats.UNIT_ROUNDOFF["float32"]
@@ -72,7 +73,7 @@ def test_summation_bounds_hold_against_exact_sums(data):
 @pytest.fixture(scope="module")
 def problem_and_reference():
     problem = make_problem(48, 2, 3)
-    return problem, reference(problem)
+    return problem, attach_parameters(reference(problem), problem.params)
 
 
 def _errors(result, trace):
@@ -129,7 +130,7 @@ def test_dead_channel_gets_a_floor_not_a_zero_division():
     bias[0] = -1.0  # … below zero: the channel is dead, its gradients exactly zero
     params["conv1.weight"], params["conv1.bias"] = weight, bias
     dead = Problem(problem.input, problem.target, params, problem.seed)
-    trace = reference(dead)
+    trace = attach_parameters(reference(dead), dead.params)
     bounds = errmodel.error_bounds(trace, "float32")
     s = bounds["conv2.weight"].abs_sum
     assert np.all(s[:, 0] == 0) and np.all(bounds["conv2.weight"].bound[:, 0] > 0)

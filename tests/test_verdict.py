@@ -8,13 +8,14 @@ from precision_lab import errmodel, verdict
 from precision_lab.candidates import registry
 from precision_lab.layout import CANONICAL, to_layout
 from precision_lab.problem import PARAM_NAMES, Result, forward_backward, make_problem
+from precision_lab.errmodel import attach_parameters
 from precision_lab.reference import reference
 
 
 @pytest.fixture(scope="module")
 def case():
     problem = make_problem(48, 2, 1)
-    trace = reference(problem)
+    trace = attach_parameters(reference(problem), problem.params)
     return problem, trace, forward_backward(problem, "float32")
 
 

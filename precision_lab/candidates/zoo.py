@@ -19,7 +19,7 @@ from .. import formats
 from ..layout import to_layout
 from ..problem import (KERNEL_SIZE, LAYERS, PADDING, PARAM_NAMES, WEIGHT_NAMES, NativeConv, Problem,
                        Result, forward_backward, to_tensors)
-from . import Candidate, register
+from . import Candidate, builtin, register  # noqa: F401 - builtin first: registry() loads only when empty
 
 # ---------------------------------------------------------------------------------------------
 # summation orders of the weight-gradient reduction (vectorised over output elements)
@@ -347,4 +347,47 @@ register(Candidate(name="bf16-emulated", description="bfloat16 convolution opera
                    "float32", run=_bf16, family="defect", expected="reduced-precision", expected_detail="bfloat16"))
 
 __all__ = ["SUMMATION_ORDERS", "OrderedWeightGradConv", "Slips", "slipped_forward_backward", "sum_blocked",
-           "sum_kahan", "sum_pairwise", "sum_sequential"]
+           "sum_kahan", "sum_pairwise", "sum_sequential", "judge_zoo", "confusion_matrix"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the lab judging its own zoo
+
+
+def judge_zoo(problem: Problem, device: str | torch.device = "cpu", names: list[str] | None = None):
+    """Judge every built-in candidate with an expected verdict: one row each (a tidy DataFrame).
+
+    Columns: candidate, family, expected, expected_detail, verdict, detail, correct, worst_ratio.
+    `correct` needs the verdict and, when one is expected, the transform or format it names.
+    """
+    import pandas as pd
+
+    from ..reference import reference
+    from ..verdict import judge
+    from . import registry
+
+    from ..errmodel import attach_parameters
+
+    trace = attach_parameters(reference(problem, device), problem.params)
+    rows = []
+    for candidate in registry().values():
+        if candidate.expected is None or not candidate.supports(device) or (names and candidate.name not in names):
+            continue
+        judgement = judge(candidate.compute(problem, "float32", device), trace, candidate.claimed_precision,
+                          candidate.name)
+        detail = judgement.layout_fix or judgement.format
+        correct = judgement.verdict == candidate.expected and candidate.expected_detail in (None, detail)
+        rows.append({"candidate": candidate.name, "family": candidate.family, "expected": candidate.expected,
+                     "expected_detail": candidate.expected_detail, "verdict": judgement.verdict, "detail": detail,
+                     "correct": correct, "worst_ratio": max(q.bound_ratio for q in judgement.quantities.values())})
+    return pd.DataFrame(rows)
+
+
+def confusion_matrix(table):
+    """Expected verdict (rows) × verdict given (columns) counts from `judge_zoo`'s table."""
+    import pandas as pd
+
+    from ..verdict import VERDICTS
+
+    return pd.crosstab(table["expected"], table["verdict"]).reindex(index=list(VERDICTS), columns=list(VERDICTS),
+                                                                    fill_value=0)

@@ -1,0 +1,81 @@
+"""The lab judges its own zoo: confusion matrix, sensitivity to single-element slips, no false alarm."""
+import numpy as np
+import pytest
+
+from precision_lab.candidates import registry
+from precision_lab.candidates.zoo import OrderedWeightGradConv, confusion_matrix, judge_zoo
+from precision_lab.problem import WEIGHT_NAMES, make_problem
+from precision_lab.errmodel import attach_parameters
+from precision_lab.reference import reference
+from precision_lab.verdict import VERDICTS, single_element_sensitivity
+
+SIZE = 48  # n = 2·48² = 4608 terms per gradient sum: small enough for CI, large enough to cancel
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return make_problem(SIZE, 2, 0)
+
+
+@pytest.fixture(scope="module")
+def zoo_table(problem):
+    return judge_zoo(problem)
+
+
+def test_zoo_is_large_enough_and_well_formed():
+    candidates = registry().values()
+    defects = [c for c in candidates if c.family == "defect"]
+    legitimate = [c for c in candidates if c.family == "legitimate"]
+    assert len(defects) >= 10 and len(legitimate) >= 6
+    assert all(c.expected == "roundoff" for c in legitimate)
+    assert all(c.expected in VERDICTS and c.expected != "roundoff" for c in defects)
+    assert {c.expected for c in defects} == {"defect", "layout", "reduced-precision"}
+    assert all(c.expected_detail for c in defects if c.expected in ("layout", "reduced-precision"))
+
+
+def test_confusion_matrix_every_candidate_in_its_class(zoo_table):
+    matrix = confusion_matrix(zoo_table)
+    print(f"\nconfusion matrix at {SIZE}² (rows expected, columns given):\n{matrix}")
+    print(zoo_table[["candidate", "expected", "verdict", "detail", "worst_ratio"]].to_string())
+    wrong = zoo_table[~zoo_table["correct"]]
+    assert wrong.empty, wrong.to_string()
+    assert int(np.trace(matrix.values)) == len(zoo_table)
+
+
+def test_no_false_alarm_and_margin_on_legitimate_variants(zoo_table):
+    legit = zoo_table[zoo_table.family == "legitimate"]
+    assert len(legit) >= 6 and (legit.verdict == "roundoff").all()
+    # the worst legitimate variant uses under a tenth of the bound: room for BLAS and order changes
+    assert legit.worst_ratio.max() < 0.1, legit.to_string()
+
+
+def test_defects_are_far_outside_the_bound_except_the_subtle_ones(zoo_table):
+    defects = zoo_table[zoo_table.expected == "defect"]
+    assert (defects.worst_ratio > 1).all()
+
+
+def test_sensitivity_to_a_single_element_slip(problem):
+    trace = attach_parameters(reference(problem), problem.params)
+    native = registry()["native"].compute(problem)
+    caught = {name: single_element_sensitivity(native, trace, name)[0] for name in WEIGHT_NAMES}
+    print(f"\nsmallest caught relative slip of the largest element at {SIZE}²:", caught)
+    # the issue's goal is 0.1% (met at 128² for conv2/conv3, see benchmarks/sensitivity.py); at 64²
+    # a 1% slip must be caught where the gradient is well conditioned (conv2, conv3) and 10% at conv1
+    assert caught["conv2.weight"] is not None and caught["conv2.weight"] <= 1e-2
+    assert caught["conv3.weight"] is not None and caught["conv3.weight"] <= 1e-2
+    assert caught["conv1.weight"] is not None and caught["conv1.weight"] <= 1e-1
+
+
+def test_ordered_weight_gradients_agree_with_native(problem):
+    import torch
+
+    from precision_lab.problem import NativeConv
+
+    rng = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 16, 16, generator=rng)
+    g = torch.randn(2, 4, 16, 16, generator=rng)
+    native = NativeConv().weight_grad(x.double(), g.double())
+    for order in ("sequential", "pairwise", "blocked", "kahan"):
+        ordered = OrderedWeightGradConv(order).weight_grad(x, g)
+        assert ordered.shape == native.shape and ordered.dtype == torch.float32
+        assert torch.allclose(ordered.double(), native, rtol=0, atol=1e-4), order
