@@ -125,3 +125,32 @@ def test_export_bounds_catch_a_flip(tmp_path):
         stored = dict(data)
     flipped = {"conv2.weight.grad": stored["conv2.weight.grad"][:, :, ::-1, ::-1].astype(np.float32)}
     assert _external_check(out / "reference", flipped)["conv2.weight.grad"] > 100
+
+
+def test_export_float64_bounds_hold_for_the_float64_build(tmp_path):
+    out = export(make_problem(16, 2, seed=2), tmp_path / "export", "float64", "OIHW")
+    response = tmp_path / "response"
+    subprocess.run([sys.executable, str(EXAMPLES / "python" / "candidate.py"), str(out / "request"), str(response)],
+                   check=True)
+    with np.load(response / "arrays.npz") as data:
+        arrays = dict(data)
+    assert arrays["conv2.weight.grad"].dtype == np.float64
+    ratios = _external_check(out / "reference", arrays)
+    assert max(ratios.values()) <= 1.0, ratios
+
+
+def test_export_cli_writes_raw_bundles_and_refuses_to_overwrite(tmp_path, capsys):
+    from precision_lab import cli
+
+    out = tmp_path / "export"
+    assert cli.main(["export", "--size", "16", "--layout", "HWIO", "--raw", "--out", str(out)]) == 0
+    reference_manifest = (out / "reference" / "bundle.json").read_text()
+    assert '"conv2.weight.grad.bound": {"file": "conv2.weight.grad.bound.bin", "dtype": "float64", ' \
+           '"shape": [3, 3, 16, 16], "order": "F"}' in reference_manifest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no staging folder left behind
+    capsys.readouterr()
+    assert cli.main(["export", "--size", "16", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "already exists and is not an empty folder" in err
+    assert cli.main(["export", "--size", "16", "--layout", "OIHX", "--out", str(tmp_path / "x")]) == 2
+    assert "--layout: unknown weight layout 'OIHX'" in capsys.readouterr().err
