@@ -372,7 +372,7 @@ def render_report(executed: Path, html_path: Path, outcome: NotebookOutcome, sho
     exporter = HTMLExporter(template_name="lab", template_file="offline-notebook.html.j2",
                             extra_template_basedirs=[str(TEMPLATES_DIR)], extra_template_paths=[str(TEMPLATES_DIR)],
                             exclude_input=not show_code, exclude_input_prompt=not show_code,
-                            exclude_output_prompt=not show_code, embed_images=True)
+                            exclude_output_prompt=not show_code, embed_images=True, sanitize_html=True)
     notebook = nbformat.read(executed, as_version=4)
     body, _ = exporter.from_notebook_node(notebook, resources={"metadata": {"name": outcome.name}})
     html_path.write_text(body, encoding="utf-8")

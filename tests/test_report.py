@@ -106,6 +106,9 @@ def test_user_strings_are_escaped_everywhere(failing_run):
     for page in pages:
         text = page.read_text()
         assert XSS not in text, page.name
+        assert "<script" not in text.lower(), page.name  # reports run no script, so none can be injected
+    report_page = (tmp / "reports" / "first" / "01-fixture-gradients.html").read_text()
+    assert "Judged: &lt;script&gt;" in report_page  # the notebook's raw Markdown output, sanitized
     index = (tmp / "reports" / "first" / "index.html").read_text()
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in index
     assert Page(index).scripts == []  # the index runs no script at all
