@@ -1,0 +1,45 @@
+"""The fast float64 reference equals stock PyTorch float64 and keeps what the error model needs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from precision_lab.problem import PARAM_NAMES, make_problem
+from precision_lab.reference import STOCK_AGREEMENT, agreement, reference, stock_reference
+
+
+@pytest.fixture(scope="module", params=[(64, 2), (37, 1)], ids=["64x64-batch2", "37x37-batch1"])
+def traces(request):
+    size, batch = request.param
+    problem = make_problem(size=size, batch=batch, seed=1)
+    return problem, reference(problem), stock_reference(problem)
+
+
+def test_reference_equals_stock_float64(traces):
+    _, fast, stock = traces
+    differences = agreement(fast, stock)
+    worst = max(differences, key=differences.get)
+    assert differences[worst] <= STOCK_AGREEMENT, f"{worst} differs from stock float64 by {differences[worst]:.2e}"
+    assert abs(fast.loss - stock.loss) <= STOCK_AGREEMENT * abs(stock.loss)
+
+
+def test_reference_is_a_float64_trace(traces):
+    problem, fast, _ = traces
+    assert fast.meta["role"] == "reference" and fast.dtype == "float64"
+    assert set(fast.grads) == set(PARAM_NAMES) and all(g.dtype == np.float64 for g in fast.grads.values())
+    assert len(fast.activations) == 3 and len(fast.preactivations) == 3 and len(fast.output_grads) == 3
+    for tensor in (*fast.activations, *fast.preactivations, *fast.output_grads):
+        assert isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float64
+    # the inputs are cast exactly from the float32 values the candidate received
+    assert torch.equal(fast.activations[0], torch.from_numpy(problem.input).double())
+
+
+def test_reference_differs_from_float32():
+    # a reference that silently ran in float32 would match float32 results bit for bit
+    problem = make_problem(size=32, batch=1, seed=2)
+    from precision_lab.problem import forward_backward
+    single = forward_backward(problem, "float32")
+    fast = reference(problem)
+    diff = max(float(np.abs(fast.grads[n] - single.grads[n].astype(np.float64)).max()) for n in PARAM_NAMES)
+    assert diff > 0
