@@ -257,6 +257,8 @@ def _kill_group(process: subprocess.Popen) -> None:
 
 def _tail(stderr_path: Path) -> str:
     """The end of the command's stderr, on one line (an error message is one line)."""
-    data = stderr_path.read_bytes()[-STDERR_TAIL:].decode("utf-8", "replace")
+    with open(stderr_path, "rb") as stderr:
+        stderr.seek(max(0, stderr_path.stat().st_size - STDERR_TAIL))  # a chatty program's log may be huge
+        data = stderr.read().decode("utf-8", "replace")
     text = " | ".join(line.strip() for line in data.splitlines() if line.strip())
     return f"; end of its stderr: {text}" if text else "; it wrote nothing to stderr"
