@@ -373,10 +373,36 @@ def render_report(executed: Path, html_path: Path, outcome: NotebookOutcome, sho
                             extra_template_basedirs=[str(TEMPLATES_DIR)], extra_template_paths=[str(TEMPLATES_DIR)],
                             exclude_input=not show_code, exclude_input_prompt=not show_code,
                             exclude_output_prompt=not show_code, embed_images=True, sanitize_html=True)
+    exporter.register_filter("clean_html", sanitize_html)
     notebook = nbformat.read(executed, as_version=4)
     body, _ = exporter.from_notebook_node(notebook, resources={"metadata": {"name": outcome.name}})
     html_path.write_text(body, encoding="utf-8")
     return html_path
+
+
+#: what a notebook's HTML may keep: text structure, tables (pandas), inline images; never scripts,
+#: event handlers, forms, iframes or styles (CSS can fetch from the network)
+SAFE_TAGS = ("a", "abbr", "b", "blockquote", "br", "caption", "code", "dd", "details", "div", "dl", "dt", "em",
+             "h1", "h2", "h3", "h4", "h5", "h6", "hr", "i", "img", "kbd", "li", "ol", "p", "pre", "s", "samp",
+             "small", "span", "strong", "sub", "summary", "sup", "table", "tbody", "td", "tfoot", "th", "thead",
+             "tr", "u", "ul", "var")
+SAFE_ATTRIBUTES = {"*": ["class", "id", "title"], "a": ["href", "title", "class", "id"],
+                   "img": ["src", "alt", "width", "height", "class"], "td": ["colspan", "rowspan", "class"],
+                   "th": ["colspan", "rowspan", "class"], "table": ["class", "border"]}
+_STYLE_BLOCK = re.compile(r"<style\b[^>]*>.*?</style\s*>", re.IGNORECASE | re.DOTALL)
+
+
+def sanitize_html(html) -> str:
+    """Notebook HTML (markdown and outputs) with anything executable or fetching removed.
+
+    Replaces nbconvert's `clean_html`, whose allowlist drops headings and pandas' table heads.
+    Disallowed tags are escaped (shown as text), `<style>` blocks (pandas) are dropped.
+    """
+    import bleach
+
+    html = html.decode() if isinstance(html, bytes) else str(html)
+    return bleach.clean(_STYLE_BLOCK.sub("", html), tags=SAFE_TAGS, attributes=SAFE_ATTRIBUTES,
+                        protocols=["http", "https", "mailto", "data"], strip=False)
 
 
 def _environment():
