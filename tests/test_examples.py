@@ -154,3 +154,13 @@ def test_export_cli_writes_raw_bundles_and_refuses_to_overwrite(tmp_path, capsys
     assert err.count("\n") == 0 and "already exists and is not an empty folder" in err
     assert cli.main(["export", "--size", "16", "--layout", "OIHX", "--out", str(tmp_path / "x")]) == 2
     assert "--layout: unknown weight layout 'OIHX'" in capsys.readouterr().err
+
+
+@needs_gfortran
+def test_diagnose_cli_exit_codes_on_the_fortran_examples(capsys):
+    from precision_lab import cli
+
+    assert cli.main(["diagnose", "--candidate", str(FORTRAN), "--size", str(SIZE)]) == 0
+    assert "verdict: roundoff" in capsys.readouterr().out
+    assert cli.main(["diagnose", "--candidate", str(FORTRAN_FLIP), "--size", str(SIZE)]) == 1
+    assert "verdict: layout (flip HW)" in capsys.readouterr().out
