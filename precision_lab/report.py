@@ -97,15 +97,9 @@ def configure(parser) -> None:
     parser.add_argument("--run-id", help="name of the run (default: UTC time, e.g. 20260101-120000)")
     parser.add_argument("--show-code", action="store_true", help="keep code cells in the HTML reports")
     parser.add_argument("--cell-timeout", type=int, default=None, metavar="S", help="seconds allowed per cell")
-    parser.add_argument("--notebooks-dir", type=Path, default=NOTEBOOKS_DIR, help=argparse_suppress())
-    parser.add_argument("--reports-dir", type=Path, default=REPORTS_DIR, help=argparse_suppress())
-    parser.add_argument("--runs-dir", type=Path, default=RUNS_DIR, help=argparse_suppress())
-
-
-def argparse_suppress():
-    import argparse
-
-    return argparse.SUPPRESS
+    parser.add_argument("--notebooks-dir", type=Path, default=NOTEBOOKS_DIR, help="notebooks to run (default: notebooks/)")
+    parser.add_argument("--reports-dir", type=Path, default=REPORTS_DIR, help="where reports go (default: reports/)")
+    parser.add_argument("--runs-dir", type=Path, default=RUNS_DIR, help="where tables go (default: data/runs/)")
 
 
 def main(args) -> int:
@@ -219,8 +213,8 @@ def execute(plan: RunPlan) -> int:
         for index, notebook in enumerate(plan.notebooks, 1):
             _say(f"[{index}/{len(plan.notebooks)}] {notebook.stem}: running")
             outcome = run_notebook(notebook, plan, report_tmp, data_tmp)
-            render_report(report_tmp / f"{notebook.stem}.ipynb", report_tmp / f"{notebook.stem}.html",
-                          outcome, plan.show_code)
+            render_isolated(report_tmp / f"{notebook.stem}.ipynb", report_tmp / f"{notebook.stem}.html",
+                            outcome, plan.show_code)
             outcomes.append(outcome)
             state = "ok" if outcome.ok else f"FAILED ({outcome.error})"
             _say(f"[{index}/{len(plan.notebooks)}] {notebook.stem}: {state} in {outcome.seconds:.1f} s")
@@ -358,6 +352,17 @@ def _failure(output: Path, log: Path) -> tuple[str, int | None, bool]:
 
 # ---------------------------------------------------------------------------------------------
 # rendering
+
+
+def render_isolated(executed: Path, html_path: Path, outcome: NotebookOutcome, show_code: bool) -> None:
+    """Render, and if rendering itself fails, mark the notebook failed with a page that says why."""
+    try:
+        render_report(executed, html_path, outcome, show_code)
+    except Exception as exc:  # noqa: BLE001 - one unrenderable notebook must not lose the run
+        outcome.ok, outcome.has_error_anchor = False, True
+        outcome.error = f"could not render the report ({type(exc).__name__}: {exc})"
+        html_path.write_text(_environment().get_template("failed-notebook.html.j2").render(outcome=outcome),
+                             encoding="utf-8")
 
 
 def render_report(executed: Path, html_path: Path, outcome: NotebookOutcome, show_code: bool = False) -> Path:

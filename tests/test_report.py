@@ -226,3 +226,20 @@ def test_real_notebooks_with_quick_parameters(tmp_path):
         problems = check_run_in_browser(tmp_path / "reports" / "quick", tmp_path / "runs" / "quick" / "index.png",
                                         tmp_path / "profile")
         assert problems == {page: [] for page in problems}
+
+
+def test_a_notebook_that_cannot_render_still_gets_a_page(tmp_path):
+    outcome = report.NotebookOutcome("03-broken", ok=True, seconds=1.0)
+    executed = tmp_path / "03-broken.ipynb"
+    executed.write_text("{ this is not a notebook")
+    report.render_isolated(executed, tmp_path / "03-broken.html", outcome, show_code=False)
+    assert not outcome.ok and "could not render the report" in outcome.error
+    page = (tmp_path / "03-broken.html").read_text()
+    assert 'id="papermill-error-cell"' in page and "could not render" in page
+
+
+def test_kernel_that_never_started_gets_a_page_with_the_reason(tmp_path):
+    outcome = report.NotebookOutcome("04-x", ok=False, seconds=0.5, error=f"NoSuchKernel: {XSS}")
+    report.render_isolated(tmp_path / "absent.ipynb", tmp_path / "04-x.html", outcome, show_code=False)
+    page = (tmp_path / "04-x.html").read_text()
+    assert "NoSuchKernel: &lt;script&gt;" in page and XSS not in page
