@@ -48,6 +48,7 @@ contains
   end function read_text
 
   ! The value of `"field": …` inside the entry `"name": {…}` of the manifest's "arrays" map.
+  ! A substring search, not a JSON parser: it relies on the lab writing one array per line, lists inline.
   function entry_field(manifest, name, field) result(value)
     character(len=*), intent(in) :: manifest, name, field
     character(len=:), allocatable :: value
