@@ -202,9 +202,12 @@ def error_bounds(trace: Trace, precision: str = "float32", lam: float = LAMBDA) 
     tensors (≈0.8 GB at 1024², batch 2).
     """
     formats.unit_roundoff(precision)  # raises for an unknown precision
-    device = trace.activations[0].device
-    with torch.no_grad(), _ieee(device):
-        return _error_bounds(trace, precision, lam)
+    cache = trace.meta.setdefault("error_bounds", {})  # one evaluation per trace and precision
+    if (precision, lam) not in cache:
+        device = trace.activations[0].device
+        with torch.no_grad(), _ieee(device):
+            cache[(precision, lam)] = _error_bounds(trace, precision, lam)
+    return cache[(precision, lam)]
 
 
 def dependency_count(radius: int) -> int:
@@ -276,19 +279,22 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
         a, g, (w, _) = _f32(trace.activations[k]), _f32(trace.output_grads[k]), weights[layer]
         flips = int(sum(int(m.sum()) for m in flip_masks[k:]))  # masks this gradient went through
         radius = max(act_radius[k] + 1, grad_radius)
-        out[f"{layer}.weight"] = _weight_grad_bound(ops, layer, a, g, act_errors[k], grad_error, grad_flips, radius,
-                                                    n_grad, precision, u, lam, flips)
         abs_g = g.abs()
         bias_sum = abs_g.sum(dim=(0, 2, 3))
         bias_prop = (_sum_of_errors(grad_error.sum(dim=(0, 2, 3)), (grad_error ** 2).sum(dim=(0, 2, 3)), grad_radius, lam)
                      + grad_flips.sum(dim=(0, 2, 3)))
         out[f"{layer}.bias"] = _quantity(f"{layer}.bias", n_grad, bias_sum, probabilistic_gamma(n_grad, u, lam) * bias_sum,
                                          0.0, bias_prop, u, flips)
-        if k > 0:
-            grad_error, grad_flips = _input_grad_error(ops, g, abs_g, w, grad_error, grad_flips, flip_masks[k - 1],
+        layer_error, layer_flips = grad_error, grad_flips
+        if k > 0:  # the next gradient down, before this layer's tensors are reused in place
+            grad_error, grad_flips = _input_grad_error(ops, g, abs_g, w, layer_error, layer_flips, flip_masks[k - 1],
                                                        trace.preactivations[k - 1], precision, u, lam)
             grad_radius += 1
-        del a, g, abs_g
+        del abs_g
+        out[f"{layer}.weight"] = _weight_grad_bound(ops, layer, a, g, act_errors[k], layer_error, layer_flips, radius,
+                                                    n_grad, precision, u, lam, flips)
+        act_errors[k] = None  # free as we go: peak memory at 1024² is the point
+        del a, g, layer_error, layer_flips
     return {name: out[name] for name in QUANTITIES}
 
 
@@ -316,17 +322,19 @@ def _weight_grad_bound(ops, layer, a, g, act_error, grad_error, grad_flips, radi
     rnd = _rounding_term(ops.weight_grad, a, g, precision, lam)
     # first order Σ(|a|E_g + E_a|g|) as a sum of mean-zero dependent errors; (x+y)² ≤ 2x² + 2y²
     deterministic = ops.weight_grad(abs_a, grad_error)
-    squares = ops.weight_grad(a * a, grad_error * grad_error)
+    squares = ops.weight_grad(a.square_(), grad_error.square())  # a is this function's own copy
     if act_error is not None:
-        deterministic = deterministic + ops.weight_grad(act_error, abs_g)
-        squares = 2 * (squares + ops.weight_grad(act_error * act_error, g * g))
+        deterministic += ops.weight_grad(act_error, abs_g)
+        squares += ops.weight_grad(act_error.square(), g.square_())
+        squares *= 2
     prop = _sum_of_errors(deterministic, squares, radius, lam)
-    del deterministic, squares
-    # flips enter deterministically; second order Σ E_a·(E_g + flips)
+    del deterministic, squares, a, g
+    # flips enter deterministically; second order Σ E_a·(E_g + F) ≤ max(E_a)·Σ(E_g + F) (cheap, tiny)
     if bool(grad_flips.any()):
         prop = prop + ops.weight_grad(abs_a, grad_flips)
     if act_error is not None:
-        prop = prop + ops.weight_grad(act_error, grad_error + grad_flips)
+        largest = act_error.amax(dim=(0, 2, 3)).view(1, -1, 1, 1)  # per input channel
+        prop = prop + largest * (grad_error + grad_flips).sum(dim=(0, 2, 3)).view(-1, 1, 1, 1)
     return _quantity(f"{layer}.weight", n, abs_sum, acc, rnd, prop, u, flips)
 
 
@@ -335,13 +343,14 @@ def _input_grad_error(ops, g, abs_g, w, grad_error, grad_flips, flip_mask, preac
     the ReLU-flip part F (deterministic: a flipped ReLU passes or blocks the whole |h|)."""
     n_bwd = KERNEL_SIZE * KERNEL_SIZE * w.shape[0]
     abs_w = w.abs()
-    error = (probabilistic_gamma(n_bwd, u, lam) * ops.input_grad(abs_g, abs_w)
+    abs_h = ops.input_grad(abs_g, abs_w)  # S of the input-gradient sum, also a bound on |h|
+    error = (probabilistic_gamma(n_bwd, u, lam) * abs_h
              + _rounding_term(ops.input_grad, g, w, precision, lam) + ops.input_grad(grad_error, abs_w))
     active = _f32(preactivation) > 0
     open_ = active | flip_mask  # where the candidate may pass the gradient
     flips = ops.input_grad(grad_flips, abs_w) * open_ if bool(grad_flips.any()) else torch.zeros_like(error)
     if bool(flip_mask.any()):
-        flips = flips + torch.where(flip_mask, ops.input_grad(g, w).abs(), torch.zeros_like(error))
+        flips += abs_h * flip_mask  # |h| ≤ Σ|g||W| at a flipped ReLU
     return error * open_, flips
 
 
