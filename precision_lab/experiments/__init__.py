@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from ..candidates import Candidate, CandidateError, resolve
 from ..device import resolve_device
+from ..paths import ROOT
 from ..problem import Problem, Trace, make_problem
 from ..reference import reference
 
@@ -30,10 +31,14 @@ def progress(iterable=None, **kwargs):
 
 
 def candidates_for(names: list[str], device: torch.device) -> tuple[list[Candidate], list[str]]:
-    """Resolve candidate specs; those the device cannot run are skipped with a note saying why."""
+    """Resolve candidate specs; those the device cannot run are skipped with a note saying why.
+
+    Relative YAML or bundle paths resolve against the repository root when they are not found
+    from the working directory (papermill runs notebooks from wherever the CLI was started).
+    """
     chosen, skipped = [], []
     for name in names:
-        candidate = resolve(name)
+        candidate = resolve(name, base_dir=ROOT)
         if candidate.supports(device):
             chosen.append(candidate)
         else:
