@@ -71,7 +71,8 @@ def test_real_notebooks_are_reproducible(tmp_path):
     if not sorted(NOTEBOOKS_DIR.glob("*.ipynb")):
         pytest.skip("notebooks/ holds no notebooks yet")
     for run_id in ("a", "b"):
-        done = lab(tmp_path, "run", "--params", PARAMS_DIR / "quick.yaml", "-p", "sizes", "[32, 64]",
+        done = lab(tmp_path, "run", "--params", PARAMS_DIR / "quick.yaml", "-p", "sizes", "[32, 64]", "-p", "size", "32",
+                   "-p", "steps", "2",
                    "--run-id", run_id, notebooks_dir=NOTEBOOKS_DIR)
         assert done.returncode == 0, done.stderr[-3000:]
     differing, compared = compare_tables(tmp_path / "runs" / "a", tmp_path / "runs" / "b")
