@@ -3,7 +3,8 @@
 Stock PyTorch float64 convolution on CPU goes through ATen's slow im2col path (no oneDNN
 for float64) and costs ~6-20× the float32 run. The reference runs the same layer-by-layer
 forward + backward (problem.forward_backward) with the shift-and-GEMM algorithm of
-`precision_lab.conv.DirectConv`, whose nine small float64 GEMMs per chunk use MKL's dgemm;
+`precision_lab.conv.DirectConv`: nine small float64 GEMMs per chunk of pixels (MKL's dgemm),
+chunks spread over threads;
 it agrees with stock float64 to ~1e-15 relative (tests/test_reference.py checks 1e-13).
 On a GPU, cuDNN's float64 kernels are used as they are.
 """
@@ -35,7 +36,7 @@ def reference(problem: Problem, device: str | torch.device = "cpu") -> Trace:
 def stock_reference(problem: Problem, device: str | torch.device = "cpu") -> Trace:
     """The same with PyTorch's own float64 convolution: the yardstick `reference` is tested against."""
     trace = forward_backward(problem, "float64", device, conv=NativeConv(), keep_trace=True)
-    trace.meta.update(role="reference", conv="native")
+    trace.meta.update(role="reference", conv="native", params=dict(problem.params))
     return trace
 
 

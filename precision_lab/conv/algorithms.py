@@ -15,6 +15,7 @@ Work is done in row/column chunks so that no intermediate exceeds a few hundred 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +55,9 @@ class DirectConv:
 
     The padded image is flattened with its row stride W+2, so the shift by (i, j) is a
     contiguous slice at offset i·(W+2)+j and each tap is one GEMM without copies; the two
-    columns of padding per row receive values that are dropped.
+    columns of padding per row receive values that are dropped. On CPU the chunks run on a
+    pool of threads with single-threaded BLAS: thin 16-row GEMMs parallelise badly inside
+    BLAS, and a busy core then stalls every call (each chunk's result is the same either way).
     """
 
     name = "direct"
@@ -63,29 +66,32 @@ class DirectConv:
     def __init__(self, chunk_columns: int | None = None):
         self.chunk_columns = chunk_columns
 
-    def _chunk(self, x: torch.Tensor, length: int) -> int:
-        return self.chunk_columns or (CPU_CHUNK_COLUMNS if x.device.type == "cpu" else length)
+    def _jobs(self, x: torch.Tensor, length: int) -> list[tuple[int, int, int]]:
+        size = self.chunk_columns or (CPU_CHUNK_COLUMNS if x.device.type == "cpu" else length)
+        return [(n, start, stop) for n in range(x.shape[0]) for start, stop in _chunks(length, size)]
 
     def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         n_img, c_in, height, width = x.shape
         c_out, row = w.shape[0], width + 2
         padded = F.pad(x, (1, 1, 1, 1)).reshape(n_img, c_in, (height + 2) * row)
         taps = w.permute(2, 3, 0, 1).reshape(len(TAPS), c_out, c_in).contiguous()
+        stacked = w.permute(0, 2, 3, 1).reshape(c_out, len(TAPS) * c_in) if c_in < FEW_CHANNELS else None
         offsets = [i * row + j for i, j in TAPS]
         length = height * row - 2  # last output position whose 3×3 window stays inside the padded image
-        stacked = w.permute(0, 2, 3, 1).reshape(c_out, len(TAPS) * c_in) if c_in < FEW_CHANNELS else None
         out = x.new_zeros(n_img, c_out, height * row)
-        for n in range(n_img):
-            for start, stop in _chunks(length, self._chunk(x, length)):
-                shifts = [padded[n, :, start + offset:stop + offset] for offset in offsets]
-                if stacked is not None:  # one GEMM with K = 9·C_in: nine GEMMs with K = 1 waste the BLAS
-                    out[n, :, start:stop] = stacked @ torch.cat(shifts)
-                    continue
-                # accumulate in a contiguous block (GEMM into a strided view of `out` is slower)
-                block = torch.mm(taps[0], shifts[0])
-                for tap, shift in zip(taps[1:], shifts[1:]):
-                    block.addmm_(tap, shift)
-                out[n, :, start:stop] = block
+
+        def chunk(job):
+            n, start, stop = job
+            shifts = [padded[n, :, start + offset:stop + offset] for offset in offsets]
+            if stacked is not None:  # one GEMM with K = 9·C_in: nine GEMMs with K = 1 waste the BLAS
+                out[n, :, start:stop] = stacked @ torch.cat(shifts)
+                return
+            block = torch.mm(taps[0], shifts[0])  # a contiguous accumulator: GEMM into a strided view is slower
+            for tap, shift in zip(taps[1:], shifts[1:]):
+                block.addmm_(tap, shift)
+            out[n, :, start:stop] = block
+
+        _run_chunks(chunk, self._jobs(x, length), x.device)
         return out.view(n_img, c_out, height, row)[..., :width].contiguous()
 
     def input_grad(self, grad_out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -98,14 +104,35 @@ class DirectConv:
         # grad_out on the same flattened grid, zero in the two padding columns of each row
         grad_grid = F.pad(grad_out, (0, 2)).reshape(n_img, c_out, height * row)
         length = height * row - 2
-        acc = x.new_zeros(len(TAPS), c_out, c_in)
-        for n in range(n_img):
-            for start, stop in _chunks(length, self._chunk(x, length)):
-                g = grad_grid[n, :, start:stop]
-                for tap, (i, j) in enumerate(TAPS):
-                    offset = i * row + j
-                    acc[tap].addmm_(g, padded[n, :, start + offset:stop + offset].T)
+        offsets = [i * row + j for i, j in TAPS]
+
+        def chunk(job):
+            n, start, stop = job
+            g = grad_grid[n, :, start:stop]
+            partial = x.new_empty(len(TAPS), c_out, c_in)
+            for tap, offset in enumerate(offsets):
+                torch.mm(g, padded[n, :, start + offset:stop + offset].T, out=partial[tap])
+            return partial
+
+        partials = _run_chunks(chunk, self._jobs(x, length), x.device)
+        acc = partials[0]
+        for partial in partials[1:]:  # summed in chunk order: the result does not depend on scheduling
+            acc += partial
         return acc.view(KERNEL, KERNEL, c_out, c_in).permute(2, 3, 0, 1).contiguous()
+
+
+def _run_chunks(work, jobs, device: torch.device) -> list:
+    """work(job) for every job, in order of results; on CPU across torch's thread count with 1-thread BLAS."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads <= 1 or len(jobs) <= 1:
+        return [work(job) for job in jobs]
+    torch.set_num_threads(1)
+    try:
+        # OpenMP's thread count is per thread: each worker sets its own to 1
+        with ThreadPoolExecutor(max_workers=threads, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            return list(pool.map(work, jobs))
+    finally:
+        torch.set_num_threads(threads)
 
 
 class Im2colConv:
