@@ -1,0 +1,124 @@
+"""Experiment 05: convolution algorithms (issue 5, DESIGN.md "Convolution algorithm selection").
+
+Every algorithm of `precision_lab.conv` runs the seed problem's forward + backward in float32
+at each size; each result is judged against the float64 reference with the lab's own error
+model (precision_lab.verdict.judge, claimed float32). Legitimate algorithms must come out
+`roundoff` (the lab must not cry wolf at a legitimate summation order), with an error ÷ bound
+that shows how much of the rounding budget each uses, next to its run time. On a GPU the
+cuDNN kernels that ran are recorded with TF32 on and off (torch.profiler kernel names).
+"""
+from __future__ import annotations
+
+import time
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+
+from ..conv import get_algorithm, record_kernels
+from ..conv.backends import native_flags
+from ..errmodel import attach_parameters
+from ..problem import PARAM_NAMES, forward_backward, make_problem
+from ..verdict import judge
+from . import cached_reference, progress, summary_row
+
+EXPERIMENT = "05-conv-algorithms"
+DEFAULT_ALGORITHMS = ("native", "direct", "im2col", "fft", "winograd-f2x3", "winograd-f4x3")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_run(problem, algorithm: str, device: torch.device):
+    """One float32 forward + backward with `algorithm`: (Result, wall seconds)."""
+    conv = get_algorithm(algorithm)
+    _synchronize(device)
+    start = time.perf_counter()
+    result = forward_backward(problem, "float32", device, conv=conv)
+    _synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def sweep(sizes: list[int], algorithms: list[str], device: torch.device, batch: int = 2, seed: int = 0) -> pd.DataFrame:
+    """Per size × algorithm × parameter gradient: error ÷ bound, max error, the verdict, and run time."""
+    rows = []
+    for size in progress(sizes, desc="sizes"):
+        problem = make_problem(size, batch, seed)
+        trace = attach_parameters(cached_reference(problem, device), problem.params)
+        for algorithm in algorithms:
+            result, seconds = timed_run(problem, algorithm, device)
+            judgement = judge(result, trace, "float32", algorithm)
+            for name in PARAM_NAMES:
+                q = judgement.quantities[name]
+                rows.append({"algorithm": algorithm, "size": size, "batch": batch, "quantity": name,
+                             "n_terms": batch * size * size, "bound_ratio": q.bound_ratio,
+                             "max_abs_err": q.max_abs_err, "verdict": q.verdict, "overall": judgement.verdict,
+                             "seconds": seconds})
+    return pd.DataFrame(rows)
+
+
+def per_run(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per algorithm × size: worst error ÷ bound over the gradients, time, time ÷ native."""
+    grouped = table.groupby(["algorithm", "size"], sort=False)
+    runs = grouped.agg(worst_bound_ratio=("bound_ratio", "max"), overall=("overall", "first"),
+                       seconds=("seconds", "first")).reset_index()
+    if "native" in set(runs["algorithm"]):
+        native = runs[runs["algorithm"] == "native"].set_index("size")["seconds"]
+        runs["time_vs_native"] = runs["seconds"] / runs["size"].map(native)
+    return runs
+
+
+def summary(table: pd.DataFrame) -> pd.DataFrame:
+    """results.SUMMARY_COLUMNS, one row per algorithm: roundoff only if every size was."""
+    runs = per_run(table)
+    rows = []
+    for algorithm, group in runs.groupby("algorithm", sort=False):
+        verdicts = set(group["overall"])
+        verdict = "roundoff" if verdicts == {"roundoff"} else sorted(verdicts - {"roundoff"})[0]
+        largest = group.loc[group["size"].idxmax()]
+        headline = (f"worst error ÷ bound {group['worst_bound_ratio'].max():.3g} over sizes "
+                    f"{group['size'].min()}–{group['size'].max()}; {largest['seconds']:.2f} s at {largest['size']}²")
+        if "time_vs_native" in group:
+            headline += f" ({largest['time_vs_native']:.1f}× native)"
+        rows.append(summary_row(algorithm, EXPERIMENT, verdict, headline))
+    return pd.DataFrame(rows)
+
+
+def kernels_by_precision(problem, device: torch.device) -> pd.DataFrame:
+    """Which kernels one native forward + backward ran, per setting.
+
+    On a GPU: cuDNN/cuBLAS float32 precision 'ieee' (TF32 off) and 'tf32' (on). On CPU: oneDNN
+    on and off (the dispatched convolution operators; TF32 does not exist there).
+    """
+    settings = ({"fp32_precision": "ieee"}, {"fp32_precision": "tf32"}) if device.type == "cuda" \
+        else ({"mkldnn": True}, {"mkldnn": False})
+    rows = []
+    for flags in settings:
+        with native_flags(**flags):
+            _, kernels = record_kernels(lambda: forward_backward(problem, "float32", device), device)
+        label = ", ".join(f"{k}={v}" for k, v in flags.items())
+        rows += [{"setting": label, "kernel": kernel} for kernel in kernels]
+    return pd.DataFrame(rows, columns=["setting", "kernel"])
+
+
+def headline_figure(table: pd.DataFrame):
+    """Left: worst error ÷ bound against size (≤ 1: rounding); right: time against size."""
+    runs = per_run(table)
+    fig, (ax_err, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for algorithm, group in runs.groupby("algorithm", sort=False):
+        ax_err.plot(group["size"], group["worst_bound_ratio"], marker="o", label=algorithm)
+        ax_time.plot(group["size"], group["seconds"], marker="o", label=algorithm)
+    ax_err.axhline(1.0, color="black", linestyle="--", linewidth=1, label="bound")
+    for ax, ylabel in ((ax_err, "worst gradient error ÷ float32 bound"), (ax_time, "forward + backward time (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("image size (pixels per side)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_err.set_title("error ÷ bound (float32 claimed)")
+    ax_time.set_title("time per forward + backward")
+    ax_time.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
