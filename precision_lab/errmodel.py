@@ -21,9 +21,14 @@ them. For one sum s = Σ xᵢ·yᵢ computed at unit roundoff u the model uses
   (the model of Higham & Mary 2019, §2, applied to the operands), two more convolutions.
 
 Errors propagate: an upstream error E enters the next sum through |W| (forward), |W| and
-the ReLU mask (backward) and |a|, |g| (weight gradients), summed in absolute value (a
-deterministic worst case). A ReLU whose pre-activation lies within its own error bound may
-flip: the gradient through it is then wholly uncertain (|h| + E_h). Elements with S = 0 (dead
+the ReLU mask (backward) and |a|, |g| (weight and bias gradients). In the short forward and
+input-gradient sums they add in absolute value (a deterministic worst case); in the long
+gradient sums over batch·H·W they are mean-zero errors that depend only on roundings within a
+few pixels, so the smaller of Σ|c|E and λ·√(χ*·Σc²E²) bounds them (Hoeffding's inequality for
+sums with a dependency graph of fractional chromatic number χ*, Janson 2004). A ReLU whose
+pre-activation lies within its own error bound may flip: the gradient through it is then
+wholly uncertain (|h| + E_h, kept apart and added deterministically); where z ≤ −E_z the ReLU
+output is exactly zero. Elements with S = 0 (dead
 channels) are computed exactly by any order; their bound gets a floor of one unit roundoff of
 the tensor's largest S so that a ratio never divides by zero.
 

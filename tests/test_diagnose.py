@@ -71,3 +71,24 @@ def test_unwritable_json_is_bad_input(tmp_path, capsys):
     blocker.write_text("")
     code, _, err = run(capsys, "--candidate", "native", "--size", SIZE, "--json", str(blocker / "v.json"))
     assert code == 2 and "cannot write the JSON verdict" in err
+
+
+def test_motivating_case_replay_names_the_flip_and_reproduces_the_pattern():
+    import numpy as np
+
+    from precision_lab.experiments import motivating, setup
+
+    device, problem = setup("cpu", 48, 2, 0)
+    table, judgements = motivating.replay(problem, device)
+    slip, faithful = judgements[motivating.REPLAY_SLIP], judgements[motivating.REPLAY]
+    assert slip.verdict == "layout" and slip.layout_fix == "flip HW" and faithful.verdict == "roundoff"
+    rows = table.set_index("quantity")
+    weights = rows.loc[["conv1.weight", "conv2.weight", "conv3.weight"]]
+    biases = rows.loc[["conv1.bias", "conv2.bias", "conv3.bias"]]
+    # the seed's pattern: weight gradients off by ~1e-2 while biases agree to rounding
+    assert (weights[f"{motivating.REPLAY_SLIP}_max_abs"] > 1e-3).all()
+    assert (biases[f"{motivating.REPLAY_SLIP}_max_abs"] < 1e-6).all()
+    assert (weights[f"{motivating.REPLAY}_max_abs"] < 1e-6).all()
+    summary = motivating.summarise(table, judgements)
+    assert list(summary.columns[:4]) == ["candidate", "experiment", "verdict", "headline"]
+    assert np.isfinite(motivating.magnitude_agreement(table).iloc[1:]).all()
