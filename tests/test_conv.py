@@ -236,3 +236,16 @@ def test_record_kernels_names_cudnn_kernels_on_gpu():
     x, w, _ = _operands((2, 16, 16, 64, 64), dtype=torch.float32)
     _, kernels = record_kernels(lambda: NativeConv().forward(x.cuda(), w.cuda()), device="cuda")
     assert kernels and not any(k.startswith("aten::") for k in kernels), kernels
+
+
+def test_algorithms_experiment_judges_every_algorithm_roundoff():
+    # the lab must not cry wolf at a legitimate summation order (DESIGN.md, "Error-accumulation model")
+    from precision_lab.experiments import algorithms as experiment
+    from precision_lab.results import SUMMARY_COLUMNS
+
+    table = experiment.sweep([24], list(experiment.DEFAULT_ALGORITHMS), torch.device("cpu"), batch=1, seed=0)
+    summary = experiment.summary(table)
+    assert list(summary.columns[:4]) == list(SUMMARY_COLUMNS)
+    assert set(summary["candidate"]) == set(experiment.DEFAULT_ALGORITHMS)
+    assert (summary["verdict"] == "roundoff").all(), summary
+    assert (table["bound_ratio"] > 0).all()  # every algorithm really ran in float32

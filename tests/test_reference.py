@@ -43,3 +43,30 @@ def test_reference_differs_from_float32():
     fast = reference(problem)
     diff = max(float(np.abs(fast.grads[n] - single.grads[n].astype(np.float64)).max()) for n in PARAM_NAMES)
     assert diff > 0
+
+
+def test_bench_prints_the_reference_ratio_and_the_algorithms_table(capsys):
+    from precision_lab.cli import main
+
+    assert main(["bench", "--size", "32", "--batch", "1", "--repeats", "1", "--only", "reference",
+                 "--only", "algorithms", "--algorithms-size", "16", "--check-stock"]) == 0
+    out = capsys.readouterr().out
+    assert "float64 reference ÷ float32 native forward+backward" in out and "target" in out
+    assert "agrees with it to" in out
+    for name in ("direct", "im2col", "fft", "winograd-f2x3", "winograd-f4x3", "native"):
+        assert name in out
+
+
+def test_bench_rejects_bad_sizes_in_one_line(capsys):
+    from precision_lab.cli import main
+
+    assert main(["bench", "--size", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--size" in err
+
+
+def test_bench_diagnosis_cost_says_why_it_is_unavailable(tmp_path):
+    from precision_lab.bench import diagnosis_cost
+
+    cost = diagnosis_cost(tmp_path / "missing.yaml", 16, 1, 0)
+    assert cost == {"available": False, "reason": f"{tmp_path / 'missing.yaml'}: no such candidate YAML"}
