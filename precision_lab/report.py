@@ -156,7 +156,7 @@ def select_notebooks(every_notebook: list[Path], selection: str | None) -> list[
         if not any(nb.stem.startswith(prefix) for nb in every_notebook):
             names = ", ".join(nb.stem for nb in every_notebook)
             raise LabInputError(f"--notebooks: no notebook starts with {prefix!r}; there are: {names}")
-    return [nb for nb in every_notebook if any(nb.stem == p or nb.stem.startswith(p) for p in prefixes)]
+    return [nb for nb in every_notebook if any(nb.stem.startswith(p) for p in prefixes)]
 
 
 def check_kernel(name: str) -> None:
@@ -224,6 +224,8 @@ def execute(plan: RunPlan) -> int:
         prov.write(provenance, report_tmp)
         prov.write(provenance, data_tmp)
         write_index(report_tmp, data_tmp, plan, provenance, outcomes)
+        for signum in previous:  # the two renames take milliseconds: finish them rather than half-publish
+            signal.signal(signum, signal.SIG_IGN)
         report_final = publish(plan, report_tmp, data_tmp)
     except RunInterrupted as stop:
         return _interrupted(plan, stop.signum, report_tmp, data_tmp)
