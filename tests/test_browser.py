@@ -7,6 +7,7 @@ run directory. Run by hand to refresh the README's picture:
 """
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -26,9 +27,11 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-dev-shm-usage", "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND")
 SCREENSHOT = "index-screenshot.png"
 
+SELENIUM = importlib.util.find_spec("selenium") is not None
 needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None or CHROMEDRIVER is None,
-    reason="headless Chromium not found: apt-get install chromium chromium-driver (make test installs them)")
+    CHROMIUM is None or CHROMEDRIVER is None or not SELENIUM,
+    reason="headless Chromium or selenium not found: apt-get install chromium chromium-driver; "
+           "pip install selenium (make test installs them)")
 
 
 def open_browser(profile: Path):

@@ -1,6 +1,7 @@
 """`precision-lab run` end to end on small fixture notebooks (tests/fixtures/notebooks), plus the
 real notebooks with params/quick.yaml (slow)."""
 import base64
+import importlib.util
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from precision_lab.paths import NOTEBOOKS_DIR, PARAMS_DIR, ROOT
 
 FIXTURES = Path(__file__).parent / "fixtures" / "notebooks"
 XSS = "<script>alert(1)</script>"
-CHROMIUM_FOUND = bool(shutil.which("chromium") and shutil.which("chromedriver"))
+CHROMIUM_FOUND = bool(shutil.which("chromium") and shutil.which("chromedriver") and importlib.util.find_spec("selenium"))
 
 
 def run_lab(*args, cwd=ROOT):
