@@ -53,46 +53,57 @@ def _work_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 class DirectConv:
     """Shift-and-GEMM: out += W[:, :, i, j] @ shift_{i,j}(x) for the nine taps.
 
-    The padded image is flattened with its row stride W+2, so the shift by (i, j) is a
-    contiguous slice at offset i·(W+2)+j and each tap is one GEMM without copies; the two
-    columns of padding per row receive values that are dropped. On CPU the chunks run on a
-    pool of threads with single-threaded BLAS: thin 16-row GEMMs parallelise badly inside
-    BLAS, and a busy core then stalls every call (each chunk's result is the same either way).
+    The image is cut into blocks of rows; each block, padded, is flattened with its row stride
+    W+2, so the shift by (i, j) is a contiguous slice at offset i·(W+2)+j and each tap is one
+    GEMM without copies (the two padding columns per row receive values that are dropped).
+    Blocks are padded one at a time, so no image-sized temporary is made (the reference's
+    peak memory at 1024² is the point). On CPU the blocks run on a pool of threads with
+    single-threaded BLAS: thin 16-row GEMMs parallelise badly inside BLAS, and a busy core
+    then stalls every call; each block's result is the same whichever thread computes it.
     """
 
     name = "direct"
-    description = "shift-and-GEMM: nine GEMMs (one per tap) accumulated on a flattened padded image"
+    description = "shift-and-GEMM: nine GEMMs (one per tap) on row blocks flattened with their padding"
 
     def __init__(self, chunk_columns: int | None = None):
         self.chunk_columns = chunk_columns
 
-    def _jobs(self, x: torch.Tensor, length: int) -> list[tuple[int, int, int]]:
-        size = self.chunk_columns or (CPU_CHUNK_COLUMNS if x.device.type == "cpu" else length)
-        return [(n, start, stop) for n in range(x.shape[0]) for start, stop in _chunks(length, size)]
+    def _jobs(self, x: torch.Tensor) -> list[tuple[int, int, int]]:
+        n_img, _, height, width = x.shape
+        columns = self.chunk_columns or (CPU_CHUNK_COLUMNS if x.device.type == "cpu" else height * (width + 2))
+        rows = max(1, columns // (width + 2))
+        return [(n, r0, r1) for n in range(n_img) for r0, r1 in _chunks(height, rows)]
+
+    @staticmethod
+    def _padded_block(x: torch.Tensor, n: int, r0: int, r1: int) -> torch.Tensor:
+        """Rows r0-1 … r1 of image n, zero-padded (plus one spare zero row), flattened: (C, (r1-r0+3)·(W+2))."""
+        height = x.shape[2]
+        top, bottom = max(r0 - 1, 0), min(r1 + 1, height)
+        block = F.pad(x[n, :, top:bottom], (1, 1, 1 if r0 == 0 else 0, (1 if r1 == height else 0) + 1))
+        return block.reshape(x.shape[1], -1)
 
     def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         n_img, c_in, height, width = x.shape
         c_out, row = w.shape[0], width + 2
-        padded = F.pad(x, (1, 1, 1, 1)).reshape(n_img, c_in, (height + 2) * row)
         taps = w.permute(2, 3, 0, 1).reshape(len(TAPS), c_out, c_in).contiguous()
         stacked = w.permute(0, 2, 3, 1).reshape(c_out, len(TAPS) * c_in) if c_in < FEW_CHANNELS else None
         offsets = [i * row + j for i, j in TAPS]
-        length = height * row - 2  # last output position whose 3×3 window stays inside the padded image
-        out = x.new_zeros(n_img, c_out, height * row)
+        out = x.new_empty(n_img, c_out, height, width)
 
-        def chunk(job):
-            n, start, stop = job
-            shifts = [padded[n, :, start + offset:stop + offset] for offset in offsets]
+        def block(job):
+            n, r0, r1 = job
+            padded, length = self._padded_block(x, n, r0, r1), (r1 - r0) * row
+            shifts = [padded[:, offset:offset + length] for offset in offsets]
             if stacked is not None:  # one GEMM with K = 9·C_in: nine GEMMs with K = 1 waste the BLAS
-                out[n, :, start:stop] = stacked @ torch.cat(shifts)
-                return
-            block = torch.mm(taps[0], shifts[0])  # a contiguous accumulator: GEMM into a strided view is slower
-            for tap, shift in zip(taps[1:], shifts[1:]):
-                block.addmm_(tap, shift)
-            out[n, :, start:stop] = block
+                result = stacked @ torch.cat(shifts)
+            else:
+                result = torch.mm(taps[0], shifts[0])
+                for tap, shift in zip(taps[1:], shifts[1:]):
+                    result.addmm_(tap, shift)
+            out[n, :, r0:r1] = result.view(c_out, r1 - r0, row)[..., :width]
 
-        _run_chunks(chunk, self._jobs(x, length), x.device)
-        return out.view(n_img, c_out, height, row)[..., :width].contiguous()
+        _run_chunks(block, self._jobs(x), x.device)
+        return out
 
     def input_grad(self, grad_out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self.forward(grad_out, _flipped_transposed(w))
@@ -100,23 +111,21 @@ class DirectConv:
     def weight_grad(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
         n_img, c_in, height, width = x.shape
         c_out, row = grad_out.shape[1], width + 2
-        padded = F.pad(x, (1, 1, 1, 1)).reshape(n_img, c_in, (height + 2) * row)
-        # grad_out on the same flattened grid, zero in the two padding columns of each row
-        grad_grid = F.pad(grad_out, (0, 2)).reshape(n_img, c_out, height * row)
-        length = height * row - 2
         offsets = [i * row + j for i, j in TAPS]
 
-        def chunk(job):
-            n, start, stop = job
-            g = grad_grid[n, :, start:stop]
+        def block(job):
+            n, r0, r1 = job
+            padded, length = self._padded_block(x, n, r0, r1), (r1 - r0) * row
+            # grad_out on the same flattened grid, zero in the two padding columns of each row
+            grad = F.pad(grad_out[n, :, r0:r1], (0, 2)).reshape(c_out, length)
             partial = x.new_empty(len(TAPS), c_out, c_in)
             for tap, offset in enumerate(offsets):
-                torch.mm(g, padded[n, :, start + offset:stop + offset].T, out=partial[tap])
+                torch.mm(grad, padded[:, offset:offset + length].T, out=partial[tap])
             return partial
 
-        partials = _run_chunks(chunk, self._jobs(x, length), x.device)
+        partials = _run_chunks(block, self._jobs(x), x.device)
         acc = partials[0]
-        for partial in partials[1:]:  # summed in chunk order: the result does not depend on scheduling
+        for partial in partials[1:]:  # summed in block order: the result does not depend on scheduling
             acc += partial
         return acc.view(KERNEL, KERNEL, c_out, c_in).permute(2, 3, 0, 1).contiguous()
 
