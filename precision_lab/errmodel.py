@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -142,22 +142,6 @@ class QuantityBound:
         return float(np.max(self.bound))
 
 
-@dataclass
-class _Ops:
-    """Float32 convolutions for bound evaluation (IEEE on GPU: no TF32 inside a bound)."""
-
-    conv: NativeConv = field(default_factory=NativeConv)
-
-    def forward(self, x, w):
-        return self.conv.forward(x, w)
-
-    def input_grad(self, g, w):
-        return self.conv.input_grad(g, w)
-
-    def weight_grad(self, x, g):
-        return self.conv.weight_grad(x, g)
-
-
 def _ieee(device: torch.device):
     if device.type == "cuda":
         from .conv.backends import native_flags
@@ -234,7 +218,7 @@ def _sum_of_errors(deterministic: torch.Tensor, squares: torch.Tensor, radius: i
 
 
 def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, QuantityBound]:
-    ops = _Ops()
+    ops = NativeConv()  # float32 IEEE (see _ieee): no TF32 inside a bound
     u = formats.unit_roundoff(accumulation_precision(precision))
     n_grad = n_terms(trace)
     weights = _weights_from_trace(trace)
