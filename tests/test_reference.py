@@ -70,3 +70,16 @@ def test_bench_diagnosis_cost_says_why_it_is_unavailable(tmp_path):
 
     cost = diagnosis_cost(tmp_path / "missing.yaml", 16, 1, 0)
     assert cost == {"available": False, "reason": f"{tmp_path / 'missing.yaml'}: no such candidate YAML"}
+
+
+def test_in_place_reference_is_bit_identical_to_the_layer_by_layer_pass():
+    # the in-place version saves memory only: same operations, same order, same bits
+    from precision_lab.conv import DirectConv
+    from precision_lab.problem import forward_backward
+
+    problem = make_problem(size=40, batch=2, seed=4)
+    fast, plain = reference(problem), forward_backward(problem, "float64", conv=DirectConv(), keep_trace=True)
+    assert fast.loss == plain.loss and np.array_equal(fast.output, plain.output)
+    assert all(np.array_equal(fast.grads[n], plain.grads[n]) for n in PARAM_NAMES)
+    for kind in ("activations", "preactivations", "output_grads"):
+        assert all(torch.equal(a, b) for a, b in zip(getattr(fast, kind), getattr(plain, kind))), kind
