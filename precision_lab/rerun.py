@@ -2,12 +2,17 @@
 
 The parameters, notebooks and options come from `reports/<run-id>/provenance.json`, not from
 the params file (which may have changed since). The new run gets a new id and records
-`rerun_of`; its result tables are compared byte for byte with the earlier run's. On the same
+`rerun_of`; its result tables are compared cell by cell, as written, with the earlier run's
+(timing columns left out: wall-clock time is never reproducible). On the same
 CPU machine and commit they should be identical (tests/test_reproducibility.py checks it);
 on a GPU, or after a code change, differences are reported, and `--check` makes them an error.
 """
 from __future__ import annotations
 
+import csv
+import io
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -17,6 +22,9 @@ from .errors import LabInputError
 
 #: files of a run that describe it rather than hold results (they name the run's own folder or time)
 NOT_RESULTS = ("provenance.json", "parameters.yaml", "papermill.log", "started")
+#: columns that measure wall-clock time (`seconds`, `time_vs_native`, `elapsed_ms` …): they differ
+#: between any two runs by nature, so the comparison leaves them out and says so
+TIMING_COLUMN = re.compile(r"(^|_)(seconds|secs|time|elapsed|ms|wall)(_|$)", re.IGNORECASE)
 
 
 def configure(parser) -> None:
@@ -46,8 +54,9 @@ def main(args) -> int:
         print(f"precision-lab: {len(differing)} of {compared} result files differ from run {earlier['run_id']}: "
               f"{', '.join(differing)}", file=sys.stderr)
         return 1 if args.check else status
-    print(f"precision-lab: all {compared} result files are bitwise identical to run {earlier['run_id']}",
-          file=sys.stderr)
+    skipped = timing_columns(runs_dir / plan.run_id)
+    print(f"precision-lab: all {compared} result files are bitwise identical to run {earlier['run_id']}"
+          + (f" (timing columns left out: {', '.join(skipped)})" if skipped else ""), file=sys.stderr)
     return status
 
 
@@ -57,6 +66,35 @@ def _warn_if_code_moved(earlier: dict) -> None:
         print(f"precision-lab: warning: run {earlier.get('run_id')} was made at commit {then.get('commit')}"
               f"{' (dirty)' if then.get('dirty') else ''}; the checkout is at {now.get('commit')}"
               f"{' (dirty)' if now.get('dirty') else ''}: results may differ", file=sys.stderr)
+
+
+def _is_timing(column: str) -> bool:
+    return bool(TIMING_COLUMN.search(column))
+
+
+def comparable_content(path: Path):
+    """A table as compared across runs: every cell as written, except timing columns (wall clock)."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".csv":
+        rows = list(csv.reader(io.StringIO(text)))
+        if not rows:
+            return rows
+        keep = [i for i, column in enumerate(rows[0]) if not _is_timing(column)]
+        return [[row[i] for i in keep if i < len(row)] for row in rows]
+    data = json.loads(text)
+    if isinstance(data, list) and all(isinstance(row, dict) for row in data):
+        return [{k: v for k, v in row.items() if not _is_timing(k)} for row in data]
+    return data
+
+
+def timing_columns(run_dir: Path) -> list[str]:
+    """The timing columns a comparison of this run's tables leaves out."""
+    found = set()
+    for path in result_files(run_dir).values():
+        if path.suffix == ".csv":
+            header = next(csv.reader(io.StringIO(path.read_text(encoding="utf-8"))), [])
+            found |= {f"{path.parent.name}/{path.name}:{c}" for c in header if _is_timing(c)}
+    return sorted(found)
 
 
 def result_files(run_dir: Path) -> dict[str, Path]:
@@ -69,5 +107,5 @@ def compare_tables(earlier: Path, later: Path) -> tuple[list[str], int]:
     """Result files that differ (or exist in one run only), and how many were compared."""
     a, b = result_files(earlier), result_files(later)
     names = sorted(set(a) | set(b))
-    differing = [n for n in names if n not in a or n not in b or a[n].read_bytes() != b[n].read_bytes()]
+    differing = [n for n in names if n not in a or n not in b or comparable_content(a[n]) != comparable_content(b[n])]
     return differing, len(names)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from precision_lab.paths import NOTEBOOKS_DIR, PARAMS_DIR, ROOT
-from precision_lab.rerun import compare_tables, result_files
+from precision_lab.rerun import compare_tables, result_files, timing_columns
 
 FIXTURES = Path(__file__).parent / "fixtures" / "notebooks"
 #: candidates with different arithmetic, so the tables hold many distinct float32/float64 digits
@@ -77,3 +77,15 @@ def test_real_notebooks_are_reproducible(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
     differing, compared = compare_tables(tmp_path / "runs" / "a", tmp_path / "runs" / "b")
     assert compared >= 6 and differing == []
+
+
+def test_timing_columns_are_left_out_but_nothing_else(tmp_path):
+    for run, seconds in (("a", "0.25"), ("b", "0.31")):
+        folder = tmp_path / run / "05-x"
+        folder.mkdir(parents=True)
+        (folder / "runs.csv").write_text(f"algorithm,bound_ratio,seconds,time_vs_native\ndirect,0.125,{seconds},{seconds}\n")
+        (folder / "runs.json").write_text(json.dumps([{"algorithm": "direct", "bound_ratio": 0.125,
+                                                        "seconds": float(seconds)}]))
+    assert compare_tables(tmp_path / "a", tmp_path / "b") == ([], 2)
+    (tmp_path / "b" / "05-x" / "runs.csv").write_text("algorithm,bound_ratio,seconds,time_vs_native\ndirect,0.126,0.31,0.31\n")
+    assert compare_tables(tmp_path / "a", tmp_path / "b") == (["05-x/runs.csv"], 2)
