@@ -42,6 +42,14 @@ FORMAT_MATCH_FACTOR = math.sqrt(32.0)
 MIN_ELEMENTS_FOR_OUTLIER_TEST = 8
 
 
+def _is_isolated(q: "QuantityVerdict") -> bool:
+    """One element beyond the bound, standing a format step (FORMAT_MATCH_FACTOR) above the next:
+    a coarser format raises every element's error together, so it cannot make such an outlier."""
+    if q.exceeding != 1 or q.size < MIN_ELEMENTS_FOR_OUTLIER_TEST:
+        return False
+    return q.bound_ratio > FORMAT_MATCH_FACTOR * q.second_ratio
+
+
 @dataclass
 class QuantityVerdict:
     """One quantity's verdict and the evidence behind it (errors against the float64 reference)."""
@@ -60,6 +68,7 @@ class QuantityVerdict:
     n_terms: int = 0
     size: int = 0
     exceeding: int = 0  # elements beyond the claimed bound
+    second_ratio: float = 0.0  # the second-largest error ÷ bound (is the worst element alone?)
     bound_max: float = 0.0
     relu_flips: int = 0
     evidence: str = ""
@@ -163,7 +172,8 @@ def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, stor
         ulps=_max_ulps(got, ref, storage) if finite else math.inf,
         cosine=float(np.dot(got.ravel(), ref.ravel()) / norms) if norms > 0 and finite else float(np.array_equal(got, ref)),
         sign_agreement=float(np.mean(np.sign(got[nonzero]) == np.sign(ref[nonzero]))) if nonzero.any() else 1.0,
-        size=int(ref.size), exceeding=int(np.sum(~(ratio <= 1.0))), bound_max=float(bound.max()))
+        size=int(ref.size), exceeding=int(np.sum(~(ratio <= 1.0))), bound_max=float(bound.max()),
+        second_ratio=float(np.sort(ratio.ravel())[-2]) if ratio.size > 1 and finite else 0.0)
     if not finite:
         q.evidence = "non-finite values (NaN or inf)"
     return q
@@ -313,10 +323,11 @@ def _doctor_layouts(judgement: Judgement, pairs, bounds, names: list[str]) -> No
 
 def _attribute_precision(judgement: Judgement, result: Result, reference: Trace, names: list[str]) -> None:
     quantities = judgement.quantities
-    isolated = [n for n in names if quantities[n].exceeding == 1 and quantities[n].size >= MIN_ELEMENTS_FOR_OUTLIER_TEST]
+    isolated = [n for n in names if _is_isolated(quantities[n])]
     for name in isolated:
         quantities[name].evidence = (f"a single element of {quantities[name].size} is beyond the bound "
-                                     f"(error ÷ bound {quantities[name].bound_ratio:.3g}): a precision mode acts on every element")
+                                     f"(error ÷ bound {quantities[name].bound_ratio:.3g}), a format step above all "
+                                     "others: a precision mode acts on every element")
     broad = [n for n in names if n not in isolated]
     if not broad or not _fallbacks(judgement.claimed_precision):
         return
