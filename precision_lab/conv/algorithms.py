@@ -43,9 +43,10 @@ def _chunks(length: int, size: int):
         yield start, min(length, start + size)
 
 
-def _work_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """Half types compute FFT/Winograd transforms in float32 on CPU (no half FFT or bmm there)."""
-    if dtype in (torch.float16, torch.bfloat16) and device.type == "cpu":
+def _work_dtype(dtype: torch.dtype, device: torch.device, fft: bool = False) -> torch.dtype:
+    """Half types compute in float32 for FFTs (cuFFT halves need power-of-2 sizes, CPU has none)
+    and for Winograd transforms on CPU (no half batched GEMM there)."""
+    if dtype in (torch.float16, torch.bfloat16) and (fft or device.type == "cpu"):
         return torch.float32
     return dtype
 
@@ -215,7 +216,7 @@ class FFTConv:
         return max(1, BLOCK_ELEMENTS // (channels * channels * (grid[1] // 2 + 1)))
 
     def forward(self, x, w):
-        dtype = _work_dtype(x.dtype, x.device)
+        dtype = _work_dtype(x.dtype, x.device, fft=True)
         height, width = x.shape[-2:]
         grid = (height + 2, width + 2)
         spectrum = torch.fft.rfft2(F.pad(x.to(dtype), (1, 1, 1, 1)), s=grid)
@@ -226,7 +227,7 @@ class FFTConv:
         return torch.fft.irfft2(out_spectrum, s=grid)[..., :height, :width].to(x.dtype).contiguous()
 
     def input_grad(self, grad_out, w):
-        dtype = _work_dtype(grad_out.dtype, grad_out.device)
+        dtype = _work_dtype(grad_out.dtype, grad_out.device, fft=True)
         height, width = grad_out.shape[-2:]
         grid = (height + 2, width + 2)
         # the adjoint of a correlation is a convolution: no conjugate, result on the padded grid
@@ -240,7 +241,7 @@ class FFTConv:
         return padded[..., 1:height + 1, 1:width + 1].to(grad_out.dtype).contiguous()
 
     def weight_grad(self, x, grad_out):
-        dtype = _work_dtype(x.dtype, x.device)
+        dtype = _work_dtype(x.dtype, x.device, fft=True)
         height, width = x.shape[-2:]
         grid = (height + 2, width + 2)
         x_spectrum = torch.fft.rfft2(F.pad(x.to(dtype), (1, 1, 1, 1)), s=grid)
