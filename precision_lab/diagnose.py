@@ -61,7 +61,7 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto") -> Ju
     where = resolve_device(device)
     if not candidate.supports(where):
         raise LabInputError(f"candidate {candidate.name} runs on {', '.join(candidate.devices)} only, not {where}")
-    result = candidate.compute(problem, "float32", where)
+    result = candidate.compute(problem, "float32", where)  # first: its transients never meet the reference's
     trace = attach_parameters(reference(problem, where), problem.params)
     return judge(result, trace, candidate.claimed_precision, candidate.name)
 

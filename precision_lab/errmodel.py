@@ -142,6 +142,14 @@ class QuantityBound:
         return float(np.max(self.bound))
 
 
+def _bound_convolutions(device: torch.device):
+    """Shift-and-GEMM in chunks on CPU (oneDNN's weight-gradient workspace is ~1 GB at 1024²);
+    cuDNN on GPU, in IEEE float32 there (see _ieee): no TF32 inside a bound."""
+    from .reference import reference_conv
+
+    return reference_conv(device)
+
+
 def _ieee(device: torch.device):
     if device.type == "cuda":
         from .conv.backends import native_flags
@@ -218,7 +226,7 @@ def _sum_of_errors(deterministic: torch.Tensor, squares: torch.Tensor, radius: i
 
 
 def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, QuantityBound]:
-    ops = NativeConv()  # float32 IEEE (see _ieee): no TF32 inside a bound
+    ops = _bound_convolutions(trace.activations[0].device)
     u = formats.unit_roundoff(accumulation_precision(precision))
     n_grad = n_terms(trace)
     weights = _weights_from_trace(trace)
@@ -229,24 +237,19 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
     # act_radius[k]: how far (in pixels) the roundings behind a_k's error reach
     act_errors, act_radius, flip_masks = [None], [-1], []  # the input is exact (float32 cast)
     for k, layer in enumerate(LAYERS):
-        a, (w, b) = _f32(trace.activations[k]), weights[layer]
+        w, b = weights[layer]
         n_fwd = KERNEL_SIZE * KERNEL_SIZE * CHANNELS[k] + 1
-        abs_sum = ops.forward(a.abs(), w.abs()) + b.abs().view(1, -1, 1, 1)
-        acc = probabilistic_gamma(n_fwd, u, lam) * abs_sum
-        rnd = _rounding_term(ops.forward, a, w, precision, lam)
-        prop = ops.forward(act_errors[k], w.abs()) if act_errors[k] is not None else 0.0
-        error = acc + rnd + prop
-        del a
-        if k < len(LAYERS) - 1:
-            z = _f32(trace.preactivations[k])
-            flip_masks.append(z.abs() <= error)
-            act_errors.append(error * (z > -error))  # relu(z) is exactly 0 wherever z + E_z ≤ 0
-            del z
-            act_radius.append(act_radius[k] + 1)
-        else:
-            out["output"] = _quantity("output", n_fwd, abs_sum, acc, rnd, prop, u)
-            output_error, output_radius = error, act_radius[k] + 1
-        del abs_sum, acc, rnd, prop
+        if k == len(LAYERS) - 1:  # the output: keep every part (one channel, small)
+            out["output"], output_error = _output_bound(ops, trace, act_errors[k], w, b, n_fwd, precision, u, lam)
+            output_radius = act_radius[k] + 1
+            break
+        error = _forward_error(ops, trace.activations[k], act_errors[k], w, b, n_fwd, precision, u, lam)
+        z = _f32(trace.preactivations[k])
+        flip_masks.append(z.abs() <= error)
+        error.mul_(z > -error)  # relu(z) is exactly 0 wherever z + E_z ≤ 0
+        del z
+        act_errors.append(error)
+        act_radius.append(act_radius[k] + 1)
 
     # loss = mean(r²): n positive terms (S = loss) plus the output error through 2|r|/N
     residual = _f32(trace.output_grads[-1] * (trace.output_grads[-1].numel() / 2.0))  # r = y − t from 2r/N
@@ -265,7 +268,7 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
     del residual, output_error
     for k in reversed(range(len(LAYERS))):
         layer = LAYERS[k]
-        a, g, (w, _) = _f32(trace.activations[k]), _f32(trace.output_grads[k]), weights[layer]
+        g, (w, _) = _f32(trace.output_grads[k]), weights[layer]
         flips = int(sum(int(m.sum()) for m in flip_masks[k:]))  # masks this gradient went through
         radius = max(act_radius[k] + 1, grad_radius)
         abs_g = g.abs()
@@ -279,11 +282,10 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
             grad_error, grad_flips = _input_grad_error(ops, g, abs_g, w, layer_error, layer_flips, flip_masks[k - 1],
                                                        trace.preactivations[k - 1], precision, u, lam)
             grad_radius += 1
-        del abs_g
-        out[f"{layer}.weight"] = _weight_grad_bound(ops, layer, a, g, act_errors[k], layer_error, layer_flips, radius,
-                                                    n_grad, precision, u, lam, flips)
+        out[f"{layer}.weight"] = _weight_grad_bound(ops, layer, _f32(trace.activations[k]), g, abs_g, act_errors[k],
+                                                    layer_error, layer_flips, radius, n_grad, precision, u, lam, flips)
         act_errors[k] = None  # free as we go: peak memory at 1024² is the point
-        del a, g, layer_error, layer_flips
+        del g, abs_g, layer_error, layer_flips
     return {name: out[name] for name in QUANTITIES}
 
 
@@ -291,6 +293,31 @@ def attach_parameters(trace: Trace, params: dict[str, np.ndarray]) -> Trace:
     """Record the float32 parameters a trace was computed with (the bounds propagate through |W|)."""
     trace.meta.setdefault("params", dict(params))
     return trace
+
+
+def _forward_error(ops, activation, act_error, w, b, n_fwd, precision, u, lam) -> torch.Tensor:
+    """E_z = γ̃·(conv(|a|, |W|) + |b|) + rounding + conv(E_a, |W|), built in place (memory at 1024²)."""
+    a = _f32(activation)
+    rnd = _rounding_term(ops.forward, a, w, precision, lam)
+    error = ops.forward(a.abs_(), w.abs())
+    del a
+    error.add_(b.abs().view(1, -1, 1, 1)).mul_(probabilistic_gamma(n_fwd, u, lam))
+    if torch.is_tensor(rnd):
+        error.add_(rnd)
+    del rnd
+    if act_error is not None:
+        error.add_(ops.forward(act_error, w.abs()))
+    return error
+
+
+def _output_bound(ops, trace, act_error, w, b, n_fwd, precision, u, lam):
+    a = _f32(trace.activations[-1])
+    abs_sum = ops.forward(a.abs(), w.abs()) + b.abs().view(1, -1, 1, 1)
+    acc = probabilistic_gamma(n_fwd, u, lam) * abs_sum
+    rnd = _rounding_term(ops.forward, a, w, precision, lam)
+    del a
+    prop = ops.forward(act_error, w.abs())
+    return _quantity("output", n_fwd, abs_sum, acc, rnd, prop, u), acc + rnd + prop
 
 
 def _weights_from_trace(trace: Trace) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -303,9 +330,9 @@ def _weights_from_trace(trace: Trace) -> dict[str, tuple[torch.Tensor, torch.Ten
             for layer in LAYERS}
 
 
-def _weight_grad_bound(ops, layer, a, g, act_error, grad_error, grad_flips, radius, n, precision, u, lam,
+def _weight_grad_bound(ops, layer, a, g, abs_g, act_error, grad_error, grad_flips, radius, n, precision, u, lam,
                        flips) -> QuantityBound:
-    abs_a, abs_g = a.abs(), g.abs()
+    abs_a = a.abs()
     abs_sum = ops.weight_grad(abs_a, abs_g)
     acc = probabilistic_gamma(n, u, lam) * abs_sum
     rnd = _rounding_term(ops.weight_grad, a, g, precision, lam)
@@ -329,18 +356,22 @@ def _weight_grad_bound(ops, layer, a, g, act_error, grad_error, grad_flips, radi
 
 def _input_grad_error(ops, g, abs_g, w, grad_error, grad_flips, flip_mask, preactivation, precision, u, lam):
     """(E, F) of ∂loss/∂z one layer down: the input-gradient sum's bound E (mean-zero model) and
-    the ReLU-flip part F (deterministic: a flipped ReLU passes or blocks the whole |h|)."""
+    the ReLU-flip part F (deterministic: a flipped ReLU passes or blocks the whole |h|).
+    Built in place: each full-size temporary is ~134 MB at 1024²."""
     n_bwd = KERNEL_SIZE * KERNEL_SIZE * w.shape[0]
     abs_w = w.abs()
-    abs_h = ops.input_grad(abs_g, abs_w)  # S of the input-gradient sum, also a bound on |h|
-    error = (probabilistic_gamma(n_bwd, u, lam) * abs_h
-             + _rounding_term(ops.input_grad, g, w, precision, lam) + ops.input_grad(grad_error, abs_w))
-    active = _f32(preactivation) > 0
-    open_ = active | flip_mask  # where the candidate may pass the gradient
-    flips = ops.input_grad(grad_flips, abs_w) * open_ if bool(grad_flips.any()) else torch.zeros_like(error)
-    if bool(flip_mask.any()):
-        flips += abs_h * flip_mask  # |h| ≤ Σ|g||W| at a flipped ReLU
-    return error * open_, flips
+    open_ = (preactivation > 0) | flip_mask  # where the candidate may pass the gradient
+    error = ops.input_grad(abs_g, abs_w)  # S of the input-gradient sum, also a bound on |h|
+    flips = error * flip_mask if bool(flip_mask.any()) else torch.zeros_like(error)  # |h| ≤ Σ|g||W|
+    if bool(grad_flips.any()):
+        flips.add_(ops.input_grad(grad_flips, abs_w).mul_(open_))
+    error.mul_(probabilistic_gamma(n_bwd, u, lam))
+    rounding = _rounding_term(ops.input_grad, g, w, precision, lam)
+    if torch.is_tensor(rounding):
+        error.add_(rounding)
+    del rounding
+    error.add_(ops.input_grad(grad_error, abs_w))
+    return error.mul_(open_), flips
 
 
 def gradient_bounds(trace: Trace, precision: str = "float32") -> dict[str, np.ndarray]:
