@@ -268,10 +268,9 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
     del residual, output_error
     for k in reversed(range(len(LAYERS))):
         layer = LAYERS[k]
-        g, (w, _) = _f32(trace.output_grads[k]), weights[layer]
+        abs_g, (w, _) = _f32(trace.output_grads[k]).abs_(), weights[layer]  # |g|: signs never matter below
         flips = int(sum(int(m.sum()) for m in flip_masks[k:]))  # masks this gradient went through
         radius = max(act_radius[k] + 1, grad_radius)
-        abs_g = g.abs()
         bias_sum = abs_g.sum(dim=(0, 2, 3))
         bias_prop = (_sum_of_errors(grad_error.sum(dim=(0, 2, 3)), (grad_error ** 2).sum(dim=(0, 2, 3)), grad_radius, lam)
                      + grad_flips.sum(dim=(0, 2, 3)))
@@ -279,13 +278,14 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
                                          0.0, bias_prop, u, flips)
         layer_error, layer_flips = grad_error, grad_flips
         if k > 0:  # the next gradient down, before this layer's tensors are reused in place
-            grad_error, grad_flips = _input_grad_error(ops, g, abs_g, w, layer_error, layer_flips, flip_masks[k - 1],
+            grad_error, grad_flips = _input_grad_error(ops, abs_g, w, layer_error, layer_flips, flip_masks[k - 1],
                                                        trace.preactivations[k - 1], precision, u, lam)
             grad_radius += 1
-        out[f"{layer}.weight"] = _weight_grad_bound(ops, layer, _f32(trace.activations[k]), g, abs_g, act_errors[k],
-                                                    layer_error, layer_flips, radius, n_grad, precision, u, lam, flips)
+        out[f"{layer}.weight"] = _weight_grad_bound(ops, layer, _f32(trace.activations[k]).abs_(), abs_g,
+                                                    act_errors[k], layer_error, layer_flips, radius, n_grad,
+                                                    precision, u, lam, flips)
         act_errors[k] = None  # free as we go: peak memory at 1024² is the point
-        del g, abs_g, layer_error, layer_flips
+        del abs_g, layer_error, layer_flips
     return {name: out[name] for name in QUANTITIES}
 
 
@@ -330,31 +330,32 @@ def _weights_from_trace(trace: Trace) -> dict[str, tuple[torch.Tensor, torch.Ten
             for layer in LAYERS}
 
 
-def _weight_grad_bound(ops, layer, a, g, abs_g, act_error, grad_error, grad_flips, radius, n, precision, u, lam,
+def _weight_grad_bound(ops, layer, abs_a, abs_g, act_error, grad_error, grad_flips, radius, n, precision, u, lam,
                        flips) -> QuantityBound:
-    abs_a = a.abs()
+    """`abs_a`, `abs_g` are this function's own |a|, |g| (squared in place once no longer needed);
+    signs never matter here: S, rounding and propagation all depend on magnitudes only."""
     abs_sum = ops.weight_grad(abs_a, abs_g)
     acc = probabilistic_gamma(n, u, lam) * abs_sum
-    rnd = _rounding_term(ops.weight_grad, a, g, precision, lam)
+    rnd = _rounding_term(ops.weight_grad, abs_a, abs_g, precision, lam)
     # first order Σ(|a|E_g + E_a|g|) as a sum of mean-zero dependent errors; (x+y)² ≤ 2x² + 2y²
     deterministic = ops.weight_grad(abs_a, grad_error)
-    squares = ops.weight_grad(a.square_(), grad_error.square())  # a is this function's own copy
+    # flips enter deterministically
+    flip_part = ops.weight_grad(abs_a, grad_flips) if bool(grad_flips.any()) else 0.0
     if act_error is not None:
         deterministic += ops.weight_grad(act_error, abs_g)
-        squares += ops.weight_grad(act_error.square(), g.square_())
-        squares *= 2
-    prop = _sum_of_errors(deterministic, squares, radius, lam)
-    del deterministic, squares, a, g
-    # flips enter deterministically; second order Σ E_a·(E_g + F) ≤ max(E_a)·Σ(E_g + F) (cheap, tiny)
-    if bool(grad_flips.any()):
-        prop = prop + ops.weight_grad(abs_a, grad_flips)
+    squares = ops.weight_grad(abs_a.square_(), grad_error.square())
     if act_error is not None:
+        squares += ops.weight_grad(act_error.square(), abs_g.square_())
+        squares *= 2
+    prop = _sum_of_errors(deterministic, squares, radius, lam) + flip_part
+    del deterministic, squares, abs_a, abs_g
+    if act_error is not None:  # second order Σ E_a·(E_g + F) ≤ max(E_a)·Σ(E_g + F): cheap and tiny
         largest = act_error.amax(dim=(0, 2, 3)).view(1, -1, 1, 1)  # per input channel
         prop = prop + largest * (grad_error + grad_flips).sum(dim=(0, 2, 3)).view(-1, 1, 1, 1)
     return _quantity(f"{layer}.weight", n, abs_sum, acc, rnd, prop, u, flips)
 
 
-def _input_grad_error(ops, g, abs_g, w, grad_error, grad_flips, flip_mask, preactivation, precision, u, lam):
+def _input_grad_error(ops, abs_g, w, grad_error, grad_flips, flip_mask, preactivation, precision, u, lam):
     """(E, F) of ∂loss/∂z one layer down: the input-gradient sum's bound E (mean-zero model) and
     the ReLU-flip part F (deterministic: a flipped ReLU passes or blocks the whole |h|).
     Built in place: each full-size temporary is ~134 MB at 1024²."""
@@ -366,7 +367,7 @@ def _input_grad_error(ops, g, abs_g, w, grad_error, grad_flips, flip_mask, preac
     if bool(grad_flips.any()):
         flips.add_(ops.input_grad(grad_flips, abs_w).mul_(open_))
     error.mul_(probabilistic_gamma(n_bwd, u, lam))
-    rounding = _rounding_term(ops.input_grad, g, w, precision, lam)
+    rounding = _rounding_term(ops.input_grad, abs_g, w, precision, lam)  # magnitudes only
     if torch.is_tensor(rounding):
         error.add_(rounding)
     del rounding
