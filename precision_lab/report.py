@@ -298,8 +298,10 @@ def run_notebook(notebook: Path, plan: RunPlan, report_tmp: Path, data_tmp: Path
         command += ["--execution-timeout", str(plan.cell_timeout)]
     started = time.monotonic()
     with open(folder / "papermill.log", "wb") as log:
+        # the kernel inherits this: notebooks' own progress bars stay out of the rendered reports
+        environment = dict(os.environ, PRECISION_LAB_PROGRESS="0")
         child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+                                 start_new_session=True, env=environment)
         _CURRENT_CHILD["process"] = child
         try:
             _wait_showing_progress(child, output, notebook.stem)

@@ -5,6 +5,7 @@ references (one per problem, so a notebook that asks twice pays once), and progr
 """
 from __future__ import annotations
 
+import os
 import sys
 from collections import OrderedDict
 
@@ -22,8 +23,13 @@ _REFERENCE_CACHE: "OrderedDict[tuple, Trace]" = OrderedDict()
 _REFERENCE_CACHE_SIZE = 2  # a float64 trace at 1024² holds ~1.5 GB: keep few
 
 
+#: set to "0" by `precision-lab run`: its own per-cell progress shows, and bars would litter the reports
+PROGRESS_ENV = "PRECISION_LAB_PROGRESS"
+
+
 def progress(iterable=None, **kwargs):
     """A text progress bar on stderr (no widgets: they would not survive HTML rendering)."""
+    kwargs.setdefault("disable", os.environ.get(PROGRESS_ENV) == "0")
     kwargs.setdefault("file", sys.stderr)
     kwargs.setdefault("dynamic_ncols", True)
     kwargs.setdefault("mininterval", 1.0)
