@@ -128,6 +128,29 @@ def bound_ratio_figure(table: pd.DataFrame):
     return fig
 
 
+def noise_floor_figure(floor: pd.DataFrame):
+    """03: each legitimate member's error and the ensemble's spread, ÷ the model's bound, per quantity."""
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    quantities = list(dict.fromkeys(floor.quantity))
+    members = list(dict.fromkeys(floor.member))
+    colours = _candidate_colours(members)
+    width = 0.8 / len(members)
+    x = np.arange(len(quantities))
+    for i, member in enumerate(members):
+        rows = floor[floor.member == member].set_index("quantity").reindex(quantities)
+        hatch = "//" if member == "ensemble-spread" else None
+        ax.bar(x + (i - (len(members) - 1) / 2) * width, rows.bound_ratio.clip(lower=1e-6), width,
+               color=colours[member], label=member, hatch=hatch)
+    ax.axhline(1.0, color="k", ls="--", lw=1, label="the model's bound")
+    ax.set_yscale("log")
+    ax.set_xticks(x, quantities, rotation=15, ha="right")
+    ax.set_ylabel("max error ÷ bound")
+    ax.set_title("Empirical noise floor: legitimate float32 computations against the model")
+    ax.legend(fontsize=7, ncols=2)
+    fig.tight_layout()
+    return fig
+
+
 def verdict_table_style(frame: pd.DataFrame):
     """A pandas Styler colouring the verdict column; cell text is HTML-escaped (names come from users)."""
     def colour(value):

@@ -76,3 +76,13 @@ def test_size_sweep_fits(executed):
     fits = pd.read_csv(executed["03-size-sweep"] / "fits.csv")
     native = fits[(fits.candidate == "native") & fits.parameter.str.endswith("weight")]
     assert native.alpha_vs_S.between(-0.5, 1.0).all() and not native.alpha_vs_S.apply(math.isnan).any()
+
+
+@pytest.mark.slow
+def test_noise_floor_members_stay_below_the_bound(executed):
+    """Five or more legitimate float32 orders: none may exceed the model's bound (no false alarm)."""
+    floor = pd.read_csv(executed["03-size-sweep"] / "noise_floor.csv")
+    members = floor[floor.member != "ensemble-spread"]
+    assert members.member.nunique() >= 5
+    assert (members.bound_ratio <= 1.0).all()
+    assert (floor[floor.member == "ensemble-spread"].bound_ratio > 0).all()  # they do differ from each other

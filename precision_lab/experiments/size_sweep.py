@@ -25,7 +25,7 @@ from .. import errmodel
 from ..candidates import Candidate
 from ..formats import unit_roundoff
 from ..problem import PARAM_NAMES, make_problem
-from ..verdict import judge
+from ..verdict import judge, noise_floor
 from . import cached_reference, progress, summary_row
 
 EXPERIMENT = "03-size-sweep"
@@ -111,3 +111,13 @@ def summarise(table: pd.DataFrame, fits: pd.DataFrame) -> pd.DataFrame:
                                 alpha_vs_S=float(weights.alpha_vs_S.median()),
                                 beta_vs_grad=float(weights.beta_vs_grad.median())))
     return pd.DataFrame(rows)
+
+
+def noise_floor_at(size: int, device: torch.device, members: list[str], batch: int = 2, seed: int = 0,
+                   image: str | None = None) -> pd.DataFrame:
+    """The empirical noise floor at one size: legitimate float32 members and their spread, ÷ the model's bound.
+
+    Reuses the reference the sweep computed at that size (precision_lab.verdict.noise_floor).
+    """
+    problem = make_problem(size, batch, seed, image)
+    return noise_floor(problem, device, reference=cached_reference(problem, device), members=tuple(members))
