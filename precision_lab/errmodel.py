@@ -54,6 +54,10 @@ LAMBDA = 7.0
 #: relative headroom for evaluating bounds in float32: γ̃_{2²¹}(7) at u = 2⁻²⁴ is 6.1e-4 < 2⁻⁸
 EVALUATION_MARGIN = 1.0 + 2.0 ** -8
 
+#: z is read as its float32 rounding, |fl(z) − z| ≤ u₃₂·|z| (Higham 2002, Thm 2.2); 1 + 2u₃₂ covers that
+#: and the rounding of E·(1 + 2u₃₂) itself (1 + u₃₂ is not a float32: it would round to 1)
+STORED_WIDENING = 1.0 + 2.0 * formats.UNIT_ROUNDOFF["float32"]
+
 #: smallest spacing of each format (subnormals): the absolute part of an operand's rounding error
 SUBNORMAL_SPACING = {"float64": 2.0 ** -1074, "float32": 2.0 ** -149, "tf32": 2.0 ** -149,
                      "bfloat16": 2.0 ** -133, "float16": 2.0 ** -24}
@@ -174,7 +178,14 @@ def _rounding_term(op, x, y, precision: str, lam: float) -> torch.Tensor | float
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
+    """t as float32, READ ONLY: a float32 trace tensor comes back as itself, not a copy."""
     return t.detach().to(torch.float32)
+
+
+def _magnitude(t: torch.Tensor) -> torch.Tensor:
+    """|t| in float32 as a tensor of its own (free to modify in place)."""
+    t32 = _f32(t)
+    return t32.abs() if t32.data_ptr() == t.data_ptr() else t32.abs_()
 
 
 def _floored(bound: torch.Tensor, abs_sum: torch.Tensor, u: float) -> torch.Tensor:
@@ -216,6 +227,31 @@ def dependency_count(radius: int) -> int:
     return (4 * radius + 1) ** 2
 
 
+def _relu_tests(z: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+    """Where |z| ≤ E_z (the ReLU may flip), returned; where z ≤ −E_z, E_z is set to 0 (the ReLU output
+    is exactly 0 there). E_z is widened by STORED_WIDENING first (z is held in float32) and carried
+    so. Done in place, sign flipped and back (exact), with boolean temporaries only."""
+    error.mul_(STORED_WIDENING)
+    may_flip = z <= error
+    error.neg_()
+    surely_off = z <= error
+    may_flip.logical_and_(z >= error)
+    error.neg_().masked_fill_(surely_off, 0.0)
+    return may_flip
+
+
+def _any_positive(t: torch.Tensor) -> bool:
+    """Whether a non-negative tensor holds anything but zeros (`any()` would make a bool copy)."""
+    return bool(t.amax() > 0)
+
+
+def _channel_sum_of_squares(t: torch.Tensor) -> torch.Tensor:
+    """Σ t² over batch, height and width per channel, as one dot product per image and channel
+    (no squared copy of t: 128 MB at 1024²)."""
+    flat = t.reshape(t.shape[0], t.shape[1], 1, -1)
+    return torch.matmul(flat, flat.transpose(-1, -2)).sum(dim=0).view(-1)
+
+
 def _sum_of_errors(deterministic: torch.Tensor, squares: torch.Tensor, radius: int, lam: float) -> torch.Tensor:
     """Bound on Σ c_p·e_p with |e_p| ≤ E_p mean-zero errors: min(Σ|c|E, λ·√(χ*·Σ c²E²)).
 
@@ -243,10 +279,10 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
             out["output"], output_error = _output_bound(ops, trace, act_errors[k], w, b, n_fwd, precision, u, lam)
             output_radius = act_radius[k] + 1
             break
-        error = _forward_error(ops, trace.activations[k], act_errors[k], w, b, n_fwd, precision, u, lam)
-        z = _f32(trace.preactivations[k])
-        flip_masks.append(z.abs() <= error)
-        error.mul_(z > -error)  # relu(z) is exactly 0 wherever z + E_z ≤ 0
+        error = _forward_error(ops, trace.activations[k], act_errors[k], w, b, n_fwd, precision, u, lam,
+                               nonnegative=k > 0)
+        z = _f32(trace.preactivations[k])  # read only: it may be the trace's own float32 tensor
+        flip_masks.append(_relu_tests(z, error))
         del z
         act_errors.append(error)
         act_radius.append(act_radius[k] + 1)
@@ -268,11 +304,11 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
     del residual, output_error
     for k in reversed(range(len(LAYERS))):
         layer = LAYERS[k]
-        abs_g, (w, _) = _f32(trace.output_grads[k]).abs_(), weights[layer]  # |g|: signs never matter below
-        flips = int(sum(int(m.sum()) for m in flip_masks[k:]))  # masks this gradient went through
+        abs_g, (w, _) = _magnitude(trace.output_grads[k]), weights[layer]  # |g|: signs never matter below
+        flips = int(sum(torch.count_nonzero(m) for m in flip_masks[k:]))  # masks this gradient went through
         radius = max(act_radius[k] + 1, grad_radius)
         bias_sum = abs_g.sum(dim=(0, 2, 3))
-        bias_prop = (_sum_of_errors(grad_error.sum(dim=(0, 2, 3)), (grad_error ** 2).sum(dim=(0, 2, 3)), grad_radius, lam)
+        bias_prop = (_sum_of_errors(grad_error.sum(dim=(0, 2, 3)), _channel_sum_of_squares(grad_error), grad_radius, lam)
                      + grad_flips.sum(dim=(0, 2, 3)))
         out[f"{layer}.bias"] = _quantity(f"{layer}.bias", n_grad, bias_sum, probabilistic_gamma(n_grad, u, lam) * bias_sum,
                                          0.0, bias_prop, u, flips)
@@ -281,11 +317,12 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
             grad_error, grad_flips = _input_grad_error(ops, abs_g, w, layer_error, layer_flips, flip_masks[k - 1],
                                                        trace.preactivations[k - 1], precision, u, lam)
             grad_radius += 1
-        out[f"{layer}.weight"] = _weight_grad_bound(ops, layer, _f32(trace.activations[k]).abs_(), abs_g,
+        abs_a = _f32(trace.activations[k]) if k > 0 else _magnitude(trace.activations[k])  # a ≥ 0 after a ReLU
+        out[f"{layer}.weight"] = _weight_grad_bound(ops, layer, abs_a, abs_g,
                                                     act_errors[k], layer_error, layer_flips, radius, n_grad,
                                                     precision, u, lam, flips)
         act_errors[k] = None  # free as we go: peak memory at 1024² is the point
-        del abs_g, layer_error, layer_flips
+        del abs_a, abs_g, layer_error, layer_flips
     return {name: out[name] for name in QUANTITIES}
 
 
@@ -295,11 +332,12 @@ def attach_parameters(trace: Trace, params: dict[str, np.ndarray]) -> Trace:
     return trace
 
 
-def _forward_error(ops, activation, act_error, w, b, n_fwd, precision, u, lam) -> torch.Tensor:
-    """E_z = γ̃·(conv(|a|, |W|) + |b|) + rounding + conv(E_a, |W|), built in place (memory at 1024²)."""
+def _forward_error(ops, activation, act_error, w, b, n_fwd, precision, u, lam, nonnegative) -> torch.Tensor:
+    """E_z = γ̃·(conv(|a|, |W|) + |b|) + rounding + conv(E_a, |W|), built in place (memory at 1024²).
+    `nonnegative`: a is a ReLU output, |a| = a (no copy of the trace's tensor)."""
     a = _f32(activation)
     rnd = _rounding_term(ops.forward, a, w, precision, lam)
-    error = ops.forward(a.abs_(), w.abs())
+    error = ops.forward(a if nonnegative else _magnitude(activation), w.abs())
     del a
     error.add_(b.abs().view(1, -1, 1, 1)).mul_(probabilistic_gamma(n_fwd, u, lam))
     if torch.is_tensor(rnd):
@@ -311,8 +349,8 @@ def _forward_error(ops, activation, act_error, w, b, n_fwd, precision, u, lam) -
 
 
 def _output_bound(ops, trace, act_error, w, b, n_fwd, precision, u, lam):
-    a = _f32(trace.activations[-1])
-    abs_sum = ops.forward(a.abs(), w.abs()) + b.abs().view(1, -1, 1, 1)
+    a = _f32(trace.activations[-1])  # a ReLU output: |a| = a (read only)
+    abs_sum = ops.forward(a, w.abs()) + b.abs().view(1, -1, 1, 1)
     acc = probabilistic_gamma(n_fwd, u, lam) * abs_sum
     rnd = _rounding_term(ops.forward, a, w, precision, lam)
     del a
@@ -332,26 +370,28 @@ def _weights_from_trace(trace: Trace) -> dict[str, tuple[torch.Tensor, torch.Ten
 
 def _weight_grad_bound(ops, layer, abs_a, abs_g, act_error, grad_error, grad_flips, radius, n, precision, u, lam,
                        flips) -> QuantityBound:
-    """`abs_a`, `abs_g` are this function's own |a|, |g| (squared in place once no longer needed);
-    signs never matter here: S, rounding and propagation all depend on magnitudes only."""
+    """`abs_a` is |a| (read only: it may be the trace's own tensor); `abs_g`, `act_error` and
+    `grad_error` are CONSUMED (squared in place: the caller is done with them, and each copy is
+    128 MB at 1024²). Signs never matter here: S, rounding and propagation depend on magnitudes only."""
     abs_sum = ops.weight_grad(abs_a, abs_g)
     acc = probabilistic_gamma(n, u, lam) * abs_sum
     rnd = _rounding_term(ops.weight_grad, abs_a, abs_g, precision, lam)
     # first order Σ(|a|E_g + E_a|g|) as a sum of mean-zero dependent errors; (x+y)² ≤ 2x² + 2y²
     deterministic = ops.weight_grad(abs_a, grad_error)
     # flips enter deterministically
-    flip_part = ops.weight_grad(abs_a, grad_flips) if bool(grad_flips.any()) else 0.0
+    flip_part = ops.weight_grad(abs_a, grad_flips) if _any_positive(grad_flips) else 0.0
+    second_order = 0.0
     if act_error is not None:
         deterministic += ops.weight_grad(act_error, abs_g)
-    squares = ops.weight_grad(abs_a.square_(), grad_error.square())
-    if act_error is not None:
-        squares += ops.weight_grad(act_error.square(), abs_g.square_())
-        squares *= 2
-    prop = _sum_of_errors(deterministic, squares, radius, lam) + flip_part
-    del deterministic, squares, abs_a, abs_g
-    if act_error is not None:  # second order Σ E_a·(E_g + F) ≤ max(E_a)·Σ(E_g + F): cheap and tiny
+        # second order Σ E_a·(E_g + F) ≤ max(E_a)·Σ(E_g + F): cheap and tiny
         largest = act_error.amax(dim=(0, 2, 3)).view(1, -1, 1, 1)  # per input channel
-        prop = prop + largest * (grad_error + grad_flips).sum(dim=(0, 2, 3)).view(-1, 1, 1, 1)
+        second_order = largest * (grad_error.sum(dim=(0, 2, 3)) + grad_flips.sum(dim=(0, 2, 3))).view(-1, 1, 1, 1)
+    squares = ops.weight_grad(abs_a.square(), grad_error.square_())  # E_g is consumed here
+    if act_error is not None:
+        squares += ops.weight_grad(act_error.square_(), abs_g.square_())  # so are E_a and |g|
+        squares *= 2
+    prop = _sum_of_errors(deterministic, squares, radius, lam) + flip_part + second_order
+    del deterministic, squares, abs_a, abs_g
     return _quantity(f"{layer}.weight", n, abs_sum, acc, rnd, prop, u, flips)
 
 
@@ -361,18 +401,18 @@ def _input_grad_error(ops, abs_g, w, grad_error, grad_flips, flip_mask, preactiv
     Built in place: each full-size temporary is ~134 MB at 1024²."""
     n_bwd = KERNEL_SIZE * KERNEL_SIZE * w.shape[0]
     abs_w = w.abs()
-    open_ = (preactivation > 0) | flip_mask  # where the candidate may pass the gradient
+    closed = (preactivation <= 0).logical_and_(~flip_mask)  # where no candidate passes the gradient
     error = ops.input_grad(abs_g, abs_w)  # S of the input-gradient sum, also a bound on |h|
-    flips = error * flip_mask if bool(flip_mask.any()) else torch.zeros_like(error)  # |h| ≤ Σ|g||W|
-    if bool(grad_flips.any()):
-        flips.add_(ops.input_grad(grad_flips, abs_w).mul_(open_))
+    flips = error.masked_fill(~flip_mask, 0.0) if bool(flip_mask.any()) else torch.zeros_like(error)  # |h| ≤ Σ|g||W|
+    if _any_positive(grad_flips):
+        flips.add_(ops.input_grad(grad_flips, abs_w).masked_fill_(closed, 0.0))
     error.mul_(probabilistic_gamma(n_bwd, u, lam))
     rounding = _rounding_term(ops.input_grad, abs_g, w, precision, lam)  # magnitudes only
     if torch.is_tensor(rounding):
         error.add_(rounding)
     del rounding
     error.add_(ops.input_grad(grad_error, abs_w))
-    return error.mul_(open_), flips
+    return error.masked_fill_(closed, 0.0), flips
 
 
 def gradient_bounds(trace: Trace, precision: str = "float32") -> dict[str, np.ndarray]:

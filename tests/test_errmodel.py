@@ -147,3 +147,28 @@ def test_bounds_follow_the_trace_device_and_need_its_parameters(problem_and_refe
     with pytest.raises(ValueError, match="unknown precision"):
         errmodel.error_bounds(trace, "float8")
     assert trace.activations[0].device == torch.device("cpu")
+
+
+def test_bounds_leave_the_trace_untouched():
+    # the reference keeps float32 intermediates, which the bounds read without copying: no in-place op may reach them
+    problem = make_problem(24, 2, 3)
+    trace = attach_parameters(reference(problem), problem.params)
+    before = [t.clone() for kind in ("activations", "preactivations", "output_grads") for t in getattr(trace, kind)]
+    for precision in ("float32", "bfloat16", "float64"):
+        errmodel.error_bounds(trace, precision)
+    after = [t for kind in ("activations", "preactivations", "output_grads") for t in getattr(trace, kind)]
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(before, after))
+
+
+def test_float32_stored_intermediates_give_the_bounds_of_a_float64_trace():
+    # same model from a trace that holds every intermediate in float64: equal to a few float32 ulps, never below
+    from precision_lab.conv import DirectConv
+
+    problem = make_problem(40, 2, 5)
+    stored32 = errmodel.error_bounds(attach_parameters(reference(problem), problem.params), "float32")
+    plain = attach_parameters(forward_backward(problem, "float64", conv=DirectConv(), keep_trace=True), problem.params)
+    full64 = errmodel.error_bounds(plain, "float32")
+    for name in errmodel.QUANTITIES:
+        ratio = stored32[name].bound / full64[name].bound
+        assert np.all(ratio >= 1 - 2 ** -22) and np.all(ratio <= 1 + 2 ** -20), (name, ratio.min(), ratio.max())
+        assert stored32[name].relu_flips >= full64[name].relu_flips
