@@ -333,18 +333,20 @@ def attach_parameters(trace: Trace, params: dict[str, np.ndarray]) -> Trace:
 
 
 def _forward_error(ops, activation, act_error, w, b, n_fwd, precision, u, lam, nonnegative) -> torch.Tensor:
-    """E_z = γ̃·(conv(|a|, |W|) + |b|) + rounding + conv(E_a, |W|), built in place (memory at 1024²).
+    """E_z = γ̃·(conv(|a|, |W|) + |b|) + rounding + conv(E_a, |W|), as conv(γ̃·|a| + E_a, |W|) + γ̃·|b| + rounding:
+    the convolution is linear in its input, so one 16→16 convolution instead of two (time at 1024²).
     `nonnegative`: a is a ReLU output, |a| = a (no copy of the trace's tensor)."""
-    a = _f32(activation)
+    a, gamma_fwd = _f32(activation), probabilistic_gamma(n_fwd, u, lam)
     rnd = _rounding_term(ops.forward, a, w, precision, lam)
-    error = ops.forward(a if nonnegative else _magnitude(activation), w.abs())
+    reach = torch.mul(a, gamma_fwd) if nonnegative else _magnitude(activation).mul_(gamma_fwd)
     del a
-    error.add_(b.abs().view(1, -1, 1, 1)).mul_(probabilistic_gamma(n_fwd, u, lam))
+    if act_error is not None:
+        reach.add_(act_error)
+    error = ops.forward(reach, w.abs())
+    del reach
+    error.add_(b.abs().mul_(gamma_fwd).view(1, -1, 1, 1))
     if torch.is_tensor(rnd):
         error.add_(rnd)
-    del rnd
-    if act_error is not None:
-        error.add_(ops.forward(act_error, w.abs()))
     return error
 
 

@@ -20,14 +20,17 @@ import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 import torch
 
 from . import errmodel, formats
 from .layout import CANONICAL, from_layout, shape_in_layout
 from .problem import PARAM_NAMES, WEIGHT_NAMES, Problem, Result, Trace, forward_backward
+
+if TYPE_CHECKING:  # pandas is imported where a table is built: a diagnosis never needs it
+    import pandas as pd
 
 VERDICTS = ("roundoff", "reduced-precision", "layout", "defect")
 
@@ -97,6 +100,8 @@ class Judgement:
 
     def to_frame(self) -> pd.DataFrame:
         """Tidy table: one row per quantity, with candidate and claimed precision."""
+        import pandas as pd  # here, not at the top: a diagnosis needs no pandas (0.3 s of its start-up)
+
         frame = pd.DataFrame([asdict(q) for q in self.quantities.values()])
         return frame.assign(candidate=self.candidate, claimed_precision=self.claimed_precision,
                             overall=self.verdict)
@@ -384,6 +389,8 @@ def noise_floor(problem: Problem, device: str | torch.device = "cpu", reference:
     float64 reference, plus a row per quantity for ``member="ensemble-spread"``: the largest
     element-wise spread (max − min over members) and its ratio to the bound.
     """
+    import pandas as pd
+
     from .candidates import registry
     from .reference import reference as make_reference
 
