@@ -18,24 +18,36 @@ def _candidate_colours(names) -> dict[str, tuple]:
     return {name: cmap(i % 10) for i, name in enumerate(dict.fromkeys(names))}
 
 
+def _grouped_log_bars(categories: list[str], series: dict[str, np.ndarray], title: str, ylabel: str,
+                      colours: dict | None = None, hatches: dict | None = None, floor: float = 1e-17):
+    """One group of bars per category, one bar per series, on a log axis: the lab's bar-chart shape."""
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    x = np.arange(len(categories))
+    width = 0.8 / max(len(series), 1)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, np.clip(np.asarray(values, float), floor, None), width,
+               label=label, color=(colours or {}).get(label), hatch=(hatches or {}).get(label))
+    ax.set_yscale("log")
+    ax.set_xticks(x, categories, rotation=15, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    return fig, ax
+
+
+def _finish(fig, ax, legend_columns: int = 2):
+    ax.legend(fontsize=7, ncols=legend_columns)
+    fig.tight_layout()
+    return fig
+
+
 def masking_figure(step_table: pd.DataFrame):
     """01: relative error of gradients, of updates and of weights after one SGD step, and after Adam."""
     summary = step_table.groupby("candidate", sort=False).max(numeric_only=True)
-    metrics = [("grad_rel_err", "gradient"), ("sgd_update_rel_err", "SGD update lr·g"),
-               ("sgd_weight_rel_err", "weights after SGD"), ("adam_update_rel_err", "Adam first update")]
-    fig, ax = plt.subplots(figsize=(9, 3.8))
-    width = 0.8 / len(metrics)
-    x = np.arange(len(summary))
-    for i, (column, label) in enumerate(metrics):
-        values = summary[column].clip(lower=1e-17)
-        ax.bar(x + (i - (len(metrics) - 1) / 2) * width, values, width, label=label)
-    ax.set_yscale("log")
-    ax.set_xticks(x, summary.index, rotation=15, ha="right")
-    ax.set_ylabel("max relative difference to float64")
-    ax.set_title("What one optimizer step shows of a gradient error")
-    ax.legend(fontsize=8, ncols=2)
-    fig.tight_layout()
-    return fig
+    metrics = {"gradient": "grad_rel_err", "SGD update lr·g": "sgd_update_rel_err",
+               "weights after SGD": "sgd_weight_rel_err", "Adam first update": "adam_update_rel_err"}
+    fig, ax = _grouped_log_bars(list(summary.index), {label: summary[column] for label, column in metrics.items()},
+                                "What one optimizer step shows of a gradient error", "max relative difference to float64")
+    return _finish(fig, ax)
 
 
 def trajectory_figure(traj: pd.DataFrame, steps_label: str = "SGD step"):
@@ -61,28 +73,17 @@ def trajectory_figure(traj: pd.DataFrame, steps_label: str = "SGD step"):
 
 def recompilation_figure(table: pd.DataFrame):
     """02: err64/err32 per quantity and candidate, against u64/u32 (rounding) and 1 (defect)."""
-    fig, ax = plt.subplots(figsize=(9, 3.8))
-    colours = _candidate_colours(table.candidate)
     quantities = list(dict.fromkeys(table.quantity))
-    x = np.arange(len(quantities))
-    names = list(dict.fromkeys(table.candidate))
-    width = 0.8 / max(len(names), 1)
-    for i, name in enumerate(names):
-        rows = table[table.candidate == name].set_index("quantity").reindex(quantities)
-        ratios = rows.ratio.fillna(0).clip(lower=1e-17)
-        ax.bar(x + (i - (len(names) - 1) / 2) * width, ratios, width, color=colours[name], label=name)
+    series = {name: table[table.candidate == name].set_index("quantity").reindex(quantities).ratio.fillna(0)
+              for name in dict.fromkeys(table.candidate)}
+    fig, ax = _grouped_log_bars(quantities, series, "Does the error vanish when the candidate is recompiled in float64?",
+                                "err64 / err32", colours=_candidate_colours(series))
     expected = unit_roundoff("float64") / unit_roundoff("float32")
     ax.axhline(expected, color="k", ls=":", lw=1, label="u64/u32 (rounding)")
     ax.axhline(math.sqrt(expected), color="0.4", ls="--", lw=1, label="√(u64/u32) boundary")
     ax.axhline(1.0, color="#c92a2a", ls="-", lw=1, label="1 (defect)")
-    ax.set_yscale("log")
     ax.set_ylim(1e-17, 10)
-    ax.set_xticks(x, quantities, rotation=15, ha="right")
-    ax.set_ylabel("err64 / err32")
-    ax.set_title("Does the error vanish when the candidate is recompiled in float64?")
-    ax.legend(fontsize=7, ncols=2)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax)
 
 
 def sweep_figure(table: pd.DataFrame):
@@ -130,25 +131,14 @@ def bound_ratio_figure(table: pd.DataFrame):
 
 def noise_floor_figure(floor: pd.DataFrame):
     """03: each legitimate member's error and the ensemble's spread, ÷ the model's bound, per quantity."""
-    fig, ax = plt.subplots(figsize=(9, 3.8))
     quantities = list(dict.fromkeys(floor.quantity))
-    members = list(dict.fromkeys(floor.member))
-    colours = _candidate_colours(members)
-    width = 0.8 / len(members)
-    x = np.arange(len(quantities))
-    for i, member in enumerate(members):
-        rows = floor[floor.member == member].set_index("quantity").reindex(quantities)
-        hatch = "//" if member == "ensemble-spread" else None
-        ax.bar(x + (i - (len(members) - 1) / 2) * width, rows.bound_ratio.clip(lower=1e-6), width,
-               color=colours[member], label=member, hatch=hatch)
+    series = {member: floor[floor.member == member].set_index("quantity").reindex(quantities).bound_ratio
+              for member in dict.fromkeys(floor.member)}
+    fig, ax = _grouped_log_bars(quantities, series, "Empirical noise floor: legitimate float32 computations against the model",
+                                "max error ÷ bound", colours=_candidate_colours(series),
+                                hatches={"ensemble-spread": "//"}, floor=1e-6)
     ax.axhline(1.0, color="k", ls="--", lw=1, label="the model's bound")
-    ax.set_yscale("log")
-    ax.set_xticks(x, quantities, rotation=15, ha="right")
-    ax.set_ylabel("max error ÷ bound")
-    ax.set_title("Empirical noise floor: legitimate float32 computations against the model")
-    ax.legend(fontsize=7, ncols=2)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax)
 
 
 def verdict_table_style(frame: pd.DataFrame):
