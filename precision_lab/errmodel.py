@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from . import formats
-from .problem import CHANNELS, KERNEL_SIZE, LAYERS, PARAM_NAMES, NativeConv, Trace
+from .problem import CHANNELS, KERNEL_SIZE, LAYERS, PADDING, PARAM_NAMES, NativeConv, Trace
 
 #: λ of Higham & Mary (2019): Q(7, 2²¹) ≥ 0.9999, i.e. the bound fails for fewer than 1 in 10⁴ sums
 LAMBDA = 7.0
@@ -57,6 +57,10 @@ EVALUATION_MARGIN = 1.0 + 2.0 ** -8
 #: z is read as its float32 rounding, |fl(z) − z| ≤ u₃₂·|z| (Higham 2002, Thm 2.2); 1 + 2u₃₂ covers that
 #: and the rounding of E·(1 + 2u₃₂) itself (1 + u₃₂ is not a float32: it would round to 1)
 STORED_WIDENING = 1.0 + 2.0 * formats.UNIT_ROUNDOFF["float32"]
+
+#: ReLU-flip fields with at most this many non-zeros are convolved point by point, not by a full convolution:
+#: at float32 a few hundred of 33 M elements at 1024² (tests/test_errmodel.py); 2¹⁴·16·9 int64 indices ≈ 19 MB
+SPARSE_LIMIT = 2 ** 14
 
 #: smallest spacing of each format (subnormals): the absolute part of an operand's rounding error
 SUBNORMAL_SPACING = {"float64": 2.0 ** -1074, "float32": 2.0 ** -149, "tf32": 2.0 ** -149,
@@ -240,11 +244,6 @@ def _relu_tests(z: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
     return may_flip
 
 
-def _any_positive(t: torch.Tensor) -> bool:
-    """Whether a non-negative tensor holds anything but zeros (`any()` would make a bool copy)."""
-    return bool(t.amax() > 0)
-
-
 def _channel_sum_of_squares(t: torch.Tensor) -> torch.Tensor:
     """Σ t² over batch, height and width per channel, as one dot product per image and channel
     (no squared copy of t: 128 MB at 1024²)."""
@@ -381,7 +380,9 @@ def _weight_grad_bound(ops, layer, abs_a, abs_g, act_error, grad_error, grad_fli
     # first order Σ(|a|E_g + E_a|g|) as a sum of mean-zero dependent errors; (x+y)² ≤ 2x² + 2y²
     deterministic = ops.weight_grad(abs_a, grad_error)
     # flips enter deterministically
-    flip_part = ops.weight_grad(abs_a, grad_flips) if _any_positive(grad_flips) else 0.0
+    flip_count = int(torch.count_nonzero(grad_flips))
+    flip_part = (0.0 if flip_count == 0 else _sparse_weight_grad(abs_a, grad_flips) if flip_count <= SPARSE_LIMIT
+                 else ops.weight_grad(abs_a, grad_flips))
     second_order = 0.0
     if act_error is not None:
         deterministic += ops.weight_grad(act_error, abs_g)
@@ -401,20 +402,78 @@ def _input_grad_error(ops, abs_g, w, grad_error, grad_flips, flip_mask, preactiv
     """(E, F) of ∂loss/∂z one layer down: the input-gradient sum's bound E (mean-zero model) and
     the ReLU-flip part F (deterministic: a flipped ReLU passes or blocks the whole |h|).
     Built in place: each full-size temporary is ~134 MB at 1024²."""
-    n_bwd = KERNEL_SIZE * KERNEL_SIZE * w.shape[0]
+    gamma_bwd = probabilistic_gamma(KERNEL_SIZE * KERNEL_SIZE * w.shape[0], u, lam)
     abs_w = w.abs()
     closed = (preactivation <= 0).logical_and_(~flip_mask)  # where no candidate passes the gradient
-    error = ops.input_grad(abs_g, abs_w)  # S of the input-gradient sum, also a bound on |h|
-    flips = error.masked_fill(~flip_mask, 0.0) if bool(flip_mask.any()) else torch.zeros_like(error)  # |h| ≤ Σ|g||W|
-    if _any_positive(grad_flips):
+    flip_points = flip_mask.nonzero(as_tuple=True) if int(torch.count_nonzero(flip_mask)) <= SPARSE_LIMIT else None
+    if flip_points is not None:  # S_h = Σ|g||W| only where a ReLU may flip: γ̃·S_h + conv(E_g) is one convolution
+        reach = torch.mul(abs_g, gamma_bwd).add_(grad_error)
+        error = ops.input_grad(reach, abs_w)
+        del reach
+        flips = torch.zeros_like(error)
+        flips[flip_points] = _input_grad_at(abs_g, abs_w, flip_points)  # |h| ≤ Σ|g||W|
+    else:
+        error = ops.input_grad(abs_g, abs_w)  # S of the input-gradient sum, also a bound on |h|
+        flips = error.masked_fill(~flip_mask, 0.0)
+        error.mul_(gamma_bwd).add_(ops.input_grad(grad_error, abs_w))
+    flip_count = int(torch.count_nonzero(grad_flips))
+    if 0 < flip_count <= SPARSE_LIMIT:
+        _add_sparse_input_grad(flips, grad_flips, abs_w)
+        flips.masked_fill_(closed, 0.0)  # S_h·flip is already 0 there: only the new part is masked
+    elif flip_count:
         flips.add_(ops.input_grad(grad_flips, abs_w).masked_fill_(closed, 0.0))
-    error.mul_(probabilistic_gamma(n_bwd, u, lam))
     rounding = _rounding_term(ops.input_grad, abs_g, w, precision, lam)  # magnitudes only
     if torch.is_tensor(rounding):
         error.add_(rounding)
     del rounding
-    error.add_(ops.input_grad(grad_error, abs_w))
     return error.masked_fill_(closed, 0.0), flips
+
+
+# ---------------------------------------------------------------------------------------------
+# point-by-point convolutions of sparse fields (3×3, padding 1, the conventions of problem.ConvOps)
+
+
+def _taps(ys: torch.Tensor, xs: torch.Tensor, sign: int, height: int, width: int):
+    """Rows ys + sign·(i − 1) and columns xs + sign·(j − 1) of the 3×3 taps around m points, clamped
+    into the image, and an (m, 3, 3) mask of the taps that lie inside it (outside is zero padding)."""
+    offsets = sign * (torch.arange(KERNEL_SIZE, device=ys.device) - PADDING)
+    rows, cols = ys[:, None] + offsets, xs[:, None] + offsets
+    inside = ((rows >= 0) & (rows < height))[:, :, None] & ((cols >= 0) & (cols < width))[:, None, :]
+    return rows.clamp(0, height - 1), cols.clamp(0, width - 1), inside
+
+
+def _patches(t: torch.Tensor, images, rows, cols, inside) -> torch.Tensor:
+    """(m, C, 3, 3): t[image, c, rows[i], cols[j]] around each point, 0 outside the image."""
+    channels = torch.arange(t.shape[1], device=t.device)[None, :, None, None]
+    patch = t[images[:, None, None, None], channels, rows[:, None, :, None], cols[:, None, None, :]]
+    return patch.mul_(inside[:, None])
+
+
+def _input_grad_at(g: torch.Tensor, w: torch.Tensor, points) -> torch.Tensor:
+    """input_grad(g, w) at the given (n, c, y, x) points only: Σ_o Σ_ij g[n, o, y−i+1, x−j+1]·w[o, c, i, j]."""
+    images, channels, ys, xs = points
+    rows, cols, inside = _taps(ys, xs, -1, g.shape[2], g.shape[3])
+    return (_patches(g, images, rows, cols, inside) * w[:, channels].transpose(0, 1)).sum(dim=(1, 2, 3))
+
+
+def _add_sparse_input_grad(out: torch.Tensor, f: torch.Tensor, w: torch.Tensor) -> None:
+    """out += input_grad(f, w) for a sparse f: each f[n, o, y, x] adds f·w[o, c, i, j] at (n, c, y+i−1, x+j−1)."""
+    images, outs, ys, xs = f.nonzero(as_tuple=True)
+    rows, cols, inside = _taps(ys, xs, 1, f.shape[2], f.shape[3])
+    shape = (len(images), w.shape[1], KERNEL_SIZE, KERNEL_SIZE)
+    channels = torch.arange(w.shape[1], device=f.device)[None, :, None, None]
+    index = [images[:, None, None, None], channels, rows[:, None, :, None], cols[:, None, None, :]]
+    keep = inside[:, None].expand(shape)
+    values = w[outs] * f[images, outs, ys, xs][:, None, None, None]
+    out.index_put_(tuple(i.expand(shape)[keep] for i in index), values[keep], accumulate=True)
+
+
+def _sparse_weight_grad(a: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """weight_grad(a, f) for a sparse f: [o, c, i, j] = Σ a[n, c, y+i−1, x+j−1]·f[n, o, y, x] over f's non-zeros."""
+    images, outs, ys, xs = f.nonzero(as_tuple=True)
+    rows, cols, inside = _taps(ys, xs, 1, f.shape[2], f.shape[3])
+    terms = _patches(a, images, rows, cols, inside).mul_(f[images, outs, ys, xs][:, None, None, None])
+    return a.new_zeros(f.shape[1], a.shape[1], KERNEL_SIZE, KERNEL_SIZE).index_add_(0, outs, terms)
 
 
 def gradient_bounds(trace: Trace, precision: str = "float32") -> dict[str, np.ndarray]:

@@ -172,3 +172,32 @@ def test_float32_stored_intermediates_give_the_bounds_of_a_float64_trace():
         ratio = stored32[name].bound / full64[name].bound
         assert np.all(ratio >= 1 - 2 ** -22) and np.all(ratio <= 1 + 2 ** -20), (name, ratio.min(), ratio.max())
         assert stored32[name].relu_flips >= full64[name].relu_flips
+
+
+def test_point_by_point_convolutions_match_the_full_ones():
+    from precision_lab.conv import DirectConv
+
+    generator = torch.Generator().manual_seed(7)
+    ops, w = DirectConv(), torch.rand(5, 4, 3, 3, generator=generator, dtype=torch.float64)
+    sparse = torch.rand(2, 5, 9, 11, generator=generator, dtype=torch.float64)
+    sparse *= torch.rand(sparse.shape, generator=generator, dtype=torch.float64) < 0.1
+    sparse[0, 0, 0, 0] = sparse[1, 4, 8, 10] = 1.5  # corners: taps reach outside the image
+    a = torch.rand(2, 4, 9, 11, generator=generator, dtype=torch.float64)
+    assert torch.allclose(errmodel._sparse_weight_grad(a, sparse), ops.weight_grad(a, sparse), rtol=1e-12, atol=0)
+    out = torch.ones(2, 4, 9, 11, dtype=torch.float64)
+    errmodel._add_sparse_input_grad(out, sparse, w)
+    assert torch.allclose(out - 1, ops.input_grad(sparse, w), rtol=1e-12, atol=1e-15)
+    dense = torch.rand(2, 5, 9, 11, generator=generator, dtype=torch.float64)
+    points = tuple(torch.tensor(v) for v in ([0, 1, 1, 0], [0, 3, 2, 1], [0, 8, 4, 8], [0, 10, 5, 0]))
+    assert torch.allclose(errmodel._input_grad_at(dense, w, points), ops.input_grad(dense, w)[points], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["float32", "tf32"])
+def test_sparse_flip_path_gives_the_dense_bounds(problem_and_reference, precision, monkeypatch):
+    problem, _ = problem_and_reference
+    sparse = errmodel.error_bounds(attach_parameters(reference(problem), problem.params), precision)
+    assert sparse["conv1.weight"].relu_flips > 0  # the sparse path was taken and had flips to handle
+    monkeypatch.setattr(errmodel, "SPARSE_LIMIT", -1)  # every field through the full convolutions
+    dense = errmodel.error_bounds(attach_parameters(reference(problem), problem.params), precision)
+    for name in errmodel.QUANTITIES:  # the same sums in another order: float32 evaluation differences only
+        np.testing.assert_allclose(sparse[name].bound, dense[name].bound, rtol=2e-6, err_msg=name)
