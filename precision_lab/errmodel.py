@@ -233,14 +233,12 @@ def dependency_count(radius: int) -> int:
 
 def _relu_tests(z: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
     """Where |z| ≤ E_z (the ReLU may flip), returned; where z ≤ −E_z, E_z is set to 0 (the ReLU output
-    is exactly 0 there). E_z is widened by STORED_WIDENING first (z is held in float32) and carried
-    so. Done in place, sign flipped and back (exact), with boolean temporaries only."""
+    is exactly 0 there). E_z is widened by STORED_WIDENING first (z is held in float32) and carried so.
+    fl(z + E) has the sign of z + E (gradual underflow: x ⊕ y = 0 only if x = −y), so z > −E ⇔ z ⊕ E > 0."""
     error.mul_(STORED_WIDENING)
-    may_flip = z <= error
-    error.neg_()
-    surely_off = z <= error
-    may_flip.logical_and_(z >= error)
-    error.neg_().masked_fill_(surely_off, 0.0)
+    above = torch.add(z, error)  # z + E
+    may_flip = torch.le(z, error).logical_and_(above >= 0)
+    error.mul_(above.gt_(0))  # 1.0 where z > −E, else 0.0: a multiply, not a masked fill (twice as fast)
     return may_flip
 
 
@@ -389,10 +387,12 @@ def _weight_grad_bound(ops, layer, abs_a, abs_g, act_error, grad_error, grad_fli
         # second order Σ E_a·(E_g + F) ≤ max(E_a)·Σ(E_g + F): cheap and tiny
         largest = act_error.amax(dim=(0, 2, 3)).view(1, -1, 1, 1)  # per input channel
         second_order = largest * (grad_error.sum(dim=(0, 2, 3)) + grad_flips.sum(dim=(0, 2, 3))).view(-1, 1, 1, 1)
-    squares = ops.weight_grad(abs_a.square(), grad_error.square_())  # E_g is consumed here
     if act_error is not None:
-        squares += ops.weight_grad(act_error.square_(), abs_g.square_())  # so are E_a and |g|
+        squares = ops.weight_grad(act_error.square_(), abs_g.square_())  # E_a and |g| are consumed here
+        squares += ops.weight_grad(torch.mul(abs_a, abs_a, out=act_error), grad_error.square_())  # |a|² into E_a's room
         squares *= 2
+    else:
+        squares = ops.weight_grad(abs_a.square(), grad_error.square_())  # E_g is consumed here
     prop = _sum_of_errors(deterministic, squares, radius, lam) + flip_part + second_order
     del deterministic, squares, abs_a, abs_g
     return _quantity(f"{layer}.weight", n, abs_sum, acc, rnd, prop, u, flips)

@@ -47,7 +47,7 @@ def reference(problem: Problem, device: str | torch.device = "cpu") -> Trace:
 def _forward_backward_in_place(problem: Problem, device, conv) -> Trace:
     """problem.forward_backward in float64 with bias, ReLU and ReLU mask applied in place.
 
-    Same operations in the same order (so the same loss, output and gradients, value for value)
+    Same operations in the same order (so the same loss, output and gradients, bit for bit)
     without image-sized temporaries. The 16-channel intermediates only feed the error model,
     which evaluates in float32 anyway, so the trace keeps their float32 roundings (768 MB at
     1024², batch 2, instead of 1.5 GB) and each float64 one is freed once the backward is past it.
@@ -78,7 +78,7 @@ def _forward_backward_in_place(problem: Problem, device, conv) -> Trace:
             grads[f"{layer}.bias"] = grad.sum(dim=(0, 2, 3))
             if k > 0:
                 grad = conv.input_grad(grad, p[f"{layer}.weight"])
-                grad.masked_fill_(hidden[k] <= 0, 0.0)  # the ReLU mask, without a float64 copy of it
+                grad.mul_(hidden[k].sign_())  # the ReLU mask (a > 0 ⇔ z > 0) as 0/1 in place: a is not needed again
                 hidden[k] = None  # free the float64 activation as soon as the backward is past it
     output = pres[-1].cpu().numpy()
     return Trace(loss=float(loss), grads={name: grads[name].cpu().numpy() for name in PARAM_NAMES}, output=output,
