@@ -372,11 +372,10 @@ def _weight_grad_bound(ops, layer, abs_a, abs_g, act_error, grad_error, grad_fli
     """`abs_a` is |a| (read only: it may be the trace's own tensor); `abs_g`, `act_error` and
     `grad_error` are CONSUMED (squared in place: the caller is done with them, and each copy is
     128 MB at 1024²). Signs never matter here: S, rounding and propagation depend on magnitudes only."""
-    abs_sum = ops.weight_grad(abs_a, abs_g)
+    abs_sum, deterministic = _weight_grads_of(ops, abs_a, abs_g, grad_error)
     acc = probabilistic_gamma(n, u, lam) * abs_sum
     rnd = _rounding_term(ops.weight_grad, abs_a, abs_g, precision, lam)
     # first order Σ(|a|E_g + E_a|g|) as a sum of mean-zero dependent errors; (x+y)² ≤ 2x² + 2y²
-    deterministic = ops.weight_grad(abs_a, grad_error)
     # flips enter deterministically
     flip_count = int(torch.count_nonzero(grad_flips))
     flip_part = (0.0 if flip_count == 0 else _sparse_weight_grad(abs_a, grad_flips) if flip_count <= SPARSE_LIMIT
@@ -398,14 +397,28 @@ def _weight_grad_bound(ops, layer, abs_a, abs_g, act_error, grad_error, grad_fli
     return _quantity(f"{layer}.weight", n, abs_sum, acc, rnd, prop, u, flips)
 
 
+def _weight_grads_of(ops, a: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight_grad(a, g) and weight_grad(a, e). A one-channel g (conv3) costs a pass over the
+    16-channel a all the same: then both in one pass, g and e side by side (a 16 MB copy at 1024²)."""
+    if g.shape[1] > 1:
+        return ops.weight_grad(a, g), ops.weight_grad(a, e)
+    both = ops.weight_grad(a, torch.cat([g, e], dim=1))
+    return both[:1], both[1:]
+
+
 def _input_grad_error(ops, abs_g, w, grad_error, grad_flips, flip_mask, preactivation, precision, u, lam):
     """(E, F) of ∂loss/∂z one layer down: the input-gradient sum's bound E (mean-zero model) and
     the ReLU-flip part F (deterministic: a flipped ReLU passes or blocks the whole |h|).
     Built in place: each full-size temporary is ~134 MB at 1024²."""
     gamma_bwd = probabilistic_gamma(KERNEL_SIZE * KERNEL_SIZE * w.shape[0], u, lam)
     abs_w = w.abs()
-    closed = (preactivation <= 0).logical_and_(~flip_mask)  # where no candidate passes the gradient
     flip_points = flip_mask.nonzero(as_tuple=True) if int(torch.count_nonzero(flip_mask)) <= SPARSE_LIMIT else None
+    # 1.0 where some candidate may pass the gradient (z > 0, or a possible flip), else 0.0: a multiply, not a masked fill
+    opened = _f32(preactivation).clamp(min=0).sign_()
+    if flip_points is not None:
+        opened[flip_points] = 1.0
+    else:
+        opened.masked_fill_(flip_mask, 1.0)
     if flip_points is not None:  # S_h = Σ|g||W| only where a ReLU may flip: γ̃·S_h + conv(E_g) is one convolution
         reach = torch.mul(abs_g, gamma_bwd).add_(grad_error)
         error = ops.input_grad(reach, abs_w)
@@ -418,15 +431,14 @@ def _input_grad_error(ops, abs_g, w, grad_error, grad_flips, flip_mask, preactiv
         error.mul_(gamma_bwd).add_(ops.input_grad(grad_error, abs_w))
     flip_count = int(torch.count_nonzero(grad_flips))
     if 0 < flip_count <= SPARSE_LIMIT:
-        _add_sparse_input_grad(flips, grad_flips, abs_w)
-        flips.masked_fill_(closed, 0.0)  # S_h·flip is already 0 there: only the new part is masked
+        _add_sparse_input_grad(flips, grad_flips, abs_w, gate=opened)
     elif flip_count:
-        flips.add_(ops.input_grad(grad_flips, abs_w).masked_fill_(closed, 0.0))
+        flips.add_(ops.input_grad(grad_flips, abs_w).mul_(opened))
     rounding = _rounding_term(ops.input_grad, abs_g, w, precision, lam)  # magnitudes only
     if torch.is_tensor(rounding):
         error.add_(rounding)
     del rounding
-    return error.masked_fill_(closed, 0.0), flips
+    return error.mul_(opened), flips
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,8 +468,8 @@ def _input_grad_at(g: torch.Tensor, w: torch.Tensor, points) -> torch.Tensor:
     return (_patches(g, images, rows, cols, inside) * w[:, channels].transpose(0, 1)).sum(dim=(1, 2, 3))
 
 
-def _add_sparse_input_grad(out: torch.Tensor, f: torch.Tensor, w: torch.Tensor) -> None:
-    """out += input_grad(f, w) for a sparse f: each f[n, o, y, x] adds f·w[o, c, i, j] at (n, c, y+i−1, x+j−1)."""
+def _add_sparse_input_grad(out: torch.Tensor, f: torch.Tensor, w: torch.Tensor, gate: torch.Tensor | None = None) -> None:
+    """out += input_grad(f, w)·gate for a sparse f: each f[n, o, y, x] adds f·w[o, c, i, j] at (n, c, y+i−1, x+j−1)."""
     images, outs, ys, xs = f.nonzero(as_tuple=True)
     rows, cols, inside = _taps(ys, xs, 1, f.shape[2], f.shape[3])
     shape = (len(images), w.shape[1], KERNEL_SIZE, KERNEL_SIZE)
@@ -465,7 +477,9 @@ def _add_sparse_input_grad(out: torch.Tensor, f: torch.Tensor, w: torch.Tensor) 
     index = [images[:, None, None, None], channels, rows[:, None, :, None], cols[:, None, None, :]]
     keep = inside[:, None].expand(shape)
     values = w[outs] * f[images, outs, ys, xs][:, None, None, None]
-    out.index_put_(tuple(i.expand(shape)[keep] for i in index), values[keep], accumulate=True)
+    targets = tuple(i.expand(shape)[keep] for i in index)
+    values = values[keep] if gate is None else values[keep] * gate[targets]
+    out.index_put_(targets, values, accumulate=True)
 
 
 def _sparse_weight_grad(a: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
