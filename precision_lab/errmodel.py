@@ -231,12 +231,18 @@ def dependency_count(radius: int) -> int:
     return (4 * radius + 1) ** 2
 
 
-def _relu_tests(z: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+def _zeros_like_reusing(like: torch.Tensor, spare: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped as `like`, in `spare`'s storage when it is a finished temporary of that shape
+    (a fresh 128 MB tensor costs ~40 ms of page faults at 1024²: the kernel zeroes every page)."""
+    return spare.zero_() if spare.shape == like.shape and spare.dtype == like.dtype else torch.zeros_like(like)
+
+
+def _relu_tests(z: torch.Tensor, error: torch.Tensor, spare: torch.Tensor | None = None) -> torch.Tensor:
     """Where |z| ≤ E_z (the ReLU may flip), returned; where z ≤ −E_z, E_z is set to 0 (the ReLU output
     is exactly 0 there). E_z is widened by STORED_WIDENING first (z is held in float32) and carried so.
     fl(z + E) has the sign of z + E (gradual underflow: x ⊕ y = 0 only if x = −y), so z > −E ⇔ z ⊕ E > 0."""
     error.mul_(STORED_WIDENING)
-    above = torch.add(z, error)  # z + E
+    above = torch.add(z, error) if spare is None else torch.add(z, error, out=spare)  # z + E (in spare's room)
     may_flip = torch.le(z, error).logical_and_(above >= 0)
     error.mul_(above.gt_(0))  # 1.0 where z > −E, else 0.0: a multiply, not a masked fill (twice as fast)
     return may_flip
@@ -276,11 +282,11 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
             out["output"], output_error = _output_bound(ops, trace, act_errors[k], w, b, n_fwd, precision, u, lam)
             output_radius = act_radius[k] + 1
             break
-        error = _forward_error(ops, trace.activations[k], act_errors[k], w, b, n_fwd, precision, u, lam,
+        error, spare = _forward_error(ops, trace.activations[k], act_errors[k], w, b, n_fwd, precision, u, lam,
                                nonnegative=k > 0)
         z = _f32(trace.preactivations[k])  # read only: it may be the trace's own float32 tensor
-        flip_masks.append(_relu_tests(z, error))
-        del z
+        flip_masks.append(_relu_tests(z, error, spare))
+        del z, spare
         act_errors.append(error)
         act_radius.append(act_radius[k] + 1)
 
@@ -329,10 +335,11 @@ def attach_parameters(trace: Trace, params: dict[str, np.ndarray]) -> Trace:
     return trace
 
 
-def _forward_error(ops, activation, act_error, w, b, n_fwd, precision, u, lam, nonnegative) -> torch.Tensor:
+def _forward_error(ops, activation, act_error, w, b, n_fwd, precision, u, lam, nonnegative):
     """E_z = γ̃·(conv(|a|, |W|) + |b|) + rounding + conv(E_a, |W|), as conv(γ̃·|a| + E_a, |W|) + γ̃·|b| + rounding:
     the convolution is linear in its input, so one 16→16 convolution instead of two (time at 1024²).
-    `nonnegative`: a is a ReLU output, |a| = a (no copy of the trace's tensor)."""
+    `nonnegative`: a is a ReLU output, |a| = a (no copy of the trace's tensor). Returns (E_z, a finished
+    temporary of E_z's shape or None)."""
     a, gamma_fwd = _f32(activation), probabilistic_gamma(n_fwd, u, lam)
     rnd = _rounding_term(ops.forward, a, w, precision, lam)
     reach = torch.mul(a, gamma_fwd) if nonnegative else _magnitude(activation).mul_(gamma_fwd)
@@ -340,11 +347,12 @@ def _forward_error(ops, activation, act_error, w, b, n_fwd, precision, u, lam, n
     if act_error is not None:
         reach.add_(act_error)
     error = ops.forward(reach, w.abs())
+    spare = reach if reach.shape == error.shape else None  # a finished temporary, for the ReLU tests
     del reach
     error.add_(b.abs().mul_(gamma_fwd).view(1, -1, 1, 1))
     if torch.is_tensor(rnd):
         error.add_(rnd)
-    return error
+    return error, spare
 
 
 def _output_bound(ops, trace, act_error, w, b, n_fwd, precision, u, lam):
@@ -422,8 +430,8 @@ def _input_grad_error(ops, abs_g, w, grad_error, grad_flips, flip_mask, preactiv
     if flip_points is not None:  # S_h = Σ|g||W| only where a ReLU may flip: γ̃·S_h + conv(E_g) is one convolution
         reach = torch.mul(abs_g, gamma_bwd).add_(grad_error)
         error = ops.input_grad(reach, abs_w)
+        flips = _zeros_like_reusing(error, reach)
         del reach
-        flips = torch.zeros_like(error)
         flips[flip_points] = _input_grad_at(abs_g, abs_w, flip_points)  # |h| ≤ Σ|g||W|
     else:
         error = ops.input_grad(abs_g, abs_w)  # S of the input-gradient sum, also a bound on |h|
