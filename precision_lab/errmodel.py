@@ -34,7 +34,10 @@ the tensor's largest S so that a ratio never divides by zero.
 
 Bounds are evaluated in float32 from the float64 reference (memory and speed at 1024²); the
 float32 evaluation of a sum of non-negative terms is within γ̃ₙ(λ) ≤ 7e-4 of exact at
-n = 2²¹, covered by the EVALUATION_MARGIN below.
+n = 2²¹, covered by the EVALUATION_MARGIN below. The reference keeps its 16-channel
+intermediates as float32 roundings (|fl(z) − z| ≤ u₃₂|z|), read here without copies; the ReLU
+tests widen E_z by 1 + 2u₃₂ for that. Flip fields (F) are sparse at float32 (a few hundred
+points at 1024²) and are convolved point by point below SPARSE_LIMIT non-zeros.
 """
 from __future__ import annotations
 
@@ -210,8 +213,8 @@ def error_bounds(trace: Trace, precision: str = "float32", lam: float = LAMBDA) 
     """Per-element rounding bound for loss, output and every gradient of `trace` at `precision`.
 
     `trace` is the float64 reference (it holds the exact-enough intermediates); `precision`
-    is the candidate's claimed arithmetic. Peak extra memory: about six float32 activation
-    tensors (≈0.8 GB at 1024², batch 2).
+    is the candidate's claimed arithmetic. The trace is never modified. Peak extra memory: about
+    eight float32 16-channel tensors (≈1.1 GB at 1024², batch 2; a diagnosis peaks at ≈2.6 GB).
     """
     formats.unit_roundoff(precision)  # raises for an unknown precision
     cache = trace.meta.setdefault("error_bounds", {})  # one evaluation per trace and precision
