@@ -86,7 +86,7 @@ def synthetic_micrograph(size: int, seed: int, n_particles: int | None = None,
     """
     rng = np.random.default_rng(np.random.PCG64(seed))
     n_particles = n_particles if n_particles is not None else max(4, (size * size) // 2500)
-    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
+    pixels = np.arange(size, dtype=np.float32)
     density = np.zeros((size, size), np.float32)
     radius = max(2.0, size / 64)
     for _ in range(n_particles):
@@ -98,8 +98,10 @@ def synthetic_micrograph(size: int, seed: int, n_particles: int | None = None,
             lo_x, hi_x = int(max(0, cx + ox - 4 * sx)), int(min(size, cx + ox + 4 * sx + 1))
             if lo_y >= hi_y or lo_x >= hi_x:
                 continue
-            window = (slice(lo_y, hi_y), slice(lo_x, hi_x))
-            density[window] += np.exp(-0.5 * (((yy[window] - cy - oy) / sy) ** 2 + ((xx[window] - cx - ox) / sx) ** 2))
+            # a Gaussian lobe is separable: exp(-(dy²/2sy² + dx²/2sx²)) = outer(g_y, g_x)
+            g_y = np.exp(-0.5 * ((pixels[lo_y:hi_y] - cy - oy) / sy) ** 2)
+            g_x = np.exp(-0.5 * ((pixels[lo_x:hi_x] - cx - ox) / sx) ** 2)
+            density[lo_y:hi_y, lo_x:hi_x] += np.outer(g_y, g_x)
     density /= max(float(density.max()), 1e-12)
     # CTF-like modulation: radial oscillation in frequency with a damping envelope
     k = np.fft.fftfreq(size).astype(np.float32)
@@ -244,7 +246,11 @@ class Result:
 
 @dataclass
 class Trace(Result):
-    """A Result plus the intermediates the error model needs (float64 reference runs).
+    """A Result plus the intermediates the error model needs (reference runs).
+
+    The float64 reference keeps the 16-channel intermediates as their float32 roundings (they only
+    feed bound magnitudes; `meta["intermediates"]` says so) and the network input, output and
+    output gradient in float64.
 
     `activations[k]` is the input of layer k+1 (a0 = network input, a1, a2 post-ReLU);
     `preactivations[k]` is z_{k+1} (conv output + bias); `output_grads[k]` is ∂loss/∂z_{k+1}.
