@@ -26,12 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
-        try:
-            implementation = importlib.import_module(module)
-        except ModuleNotFoundError as exc:  # a subcommand whose module is not written yet is left out
-            if exc.name != module:
-                raise
-            continue
+        implementation = importlib.import_module(module)
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         sub_parser.set_defaults(module=module)
         implementation.configure(sub_parser)

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from . import formats
-from .problem import CHANNELS, KERNEL_SIZE, LAYERS, PADDING, PARAM_NAMES, NativeConv, Trace
+from .problem import CHANNELS, KERNEL_SIZE, LAYERS, PADDING, PARAM_NAMES, Trace
 
 #: λ of Higham & Mary (2019): Q(7, 2²¹) ≥ 0.9999, i.e. the bound fails for fewer than 1 in 10⁴ sums
 LAMBDA = 7.0

@@ -1,5 +1,4 @@
 """The experiments' numbers on small problems: each assertion could fail if the physics were wrong."""
-import numpy as np
 import pytest
 
 from precision_lab.experiments import candidates_for, setup

@@ -1,6 +1,5 @@
 """Every notebook executed through papermill with params/quick.yaml, asserting what it found."""
 import math
-from pathlib import Path
 
 import pandas as pd
 import papermill

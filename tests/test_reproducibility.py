@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from precision_lab.paths import NOTEBOOKS_DIR, PARAMS_DIR, ROOT
-from precision_lab.rerun import compare_tables, result_files, timing_columns
+from precision_lab.rerun import compare_tables, result_files
 
 FIXTURES = Path(__file__).parent / "fixtures" / "notebooks"
 #: candidates with different arithmetic, so the tables hold many distinct float32/float64 digits
