@@ -11,6 +11,7 @@ so, and exits 130 / 143.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import json
 import os
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
+import psutil
 import yaml
 
 from . import params as run_params
@@ -43,6 +45,8 @@ MARKER = "INCOMPLETE.txt"
 EXIT_SIGNAL_BASE = 128
 #: seconds papermill gets to shut its kernel down after SIGTERM before it is killed
 CHILD_GRACE_S = 30
+#: seconds the kernel gets to exit on its own (ipykernel polls its parent every second), then again after SIGTERM
+KERNEL_GRACE_S = 5
 #: how often the progress line re-reads the notebook papermill saves after each cell
 PROGRESS_POLL_S = 0.5
 _CURRENT_CHILD: dict = {"process": None}
@@ -264,16 +268,34 @@ def _interrupted(plan: RunPlan, signum: int, report_tmp: Path, data_tmp: Path) -
 
 
 def _stop_notebook_process() -> None:
-    """Stop the running papermill child; its nbclient shuts the Jupyter kernel down on SIGTERM."""
+    """Stop the running papermill child and every process below it (the Jupyter kernel).
+
+    nbclient asks the kernel to shut down on SIGTERM, but the kernel runs in its own session
+    (jupyter_client launches it with start_new_session) and can outlive a papermill that exits
+    first, so the whole tree is collected before the signal and waited for (then killed) after it.
+    """
     child = _CURRENT_CHILD.get("process")
     if child is None or child.poll() is not None:
         return
+    try:
+        below = psutil.Process(child.pid).children(recursive=True)
+    except psutil.Error:  # papermill exited between poll() and here
+        below = []
     child.terminate()
     try:
         child.wait(timeout=CHILD_GRACE_S)
     except subprocess.TimeoutExpired:
         child.kill()
         child.wait()
+    _, survivors = psutil.wait_procs(below, timeout=KERNEL_GRACE_S)
+    for process in survivors:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _, survivors = psutil.wait_procs(survivors, timeout=KERNEL_GRACE_S)
+    for process in survivors:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(survivors, timeout=KERNEL_GRACE_S)
 
 
 def _say(message: str) -> None:
