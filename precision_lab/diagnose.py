@@ -12,13 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .candidates import Candidate, resolve
+from .candidates.command import CommandProgram
 from .device import resolve_device
 from .errmodel import attach_parameters
 from .errors import LabInputError
-from .problem import Problem, make_problem
+from .problem import Problem, Result, Trace, make_problem
 from .reference import reference
 from .verdict import Judgement, judge
 
@@ -61,9 +63,30 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto") -> Ju
     where = resolve_device(device)
     if not candidate.supports(where):
         raise LabInputError(f"candidate {candidate.name} runs on {', '.join(candidate.devices)} only, not {where}")
-    result = candidate.compute(problem, "float32", where)  # first: its transients never meet the reference's
-    trace = attach_parameters(reference(problem, where), problem.params)
-    return judge(result, trace, candidate.claimed_precision, candidate.name)
+    program = getattr(candidate.run, "__self__", None)  # a command candidate's run is CommandProgram.run
+    if isinstance(program, CommandProgram):
+        result, trace = _overlapped(candidate, program, problem, where)
+    else:  # in-process candidates first: their transients never meet the reference's
+        result = candidate.compute(problem, "float32", where)
+        trace = reference(problem, where)
+    return judge(result, attach_parameters(trace, problem.params), candidate.claimed_precision, candidate.name)
+
+
+def _overlapped(candidate: Candidate, program: CommandProgram, problem: Problem, where) -> tuple[Result, Trace]:
+    """An external program runs in its own process while this one builds the float64 reference.
+
+    Its wait happens in a thread (the GIL is released while waiting); the error bounds, the
+    memory peak of a diagnosis, come after it has exited. Anything that stops the reference
+    (Ctrl-C, an error) kills the program first, so nothing is left running.
+    """
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="candidate") as pool:
+        running = pool.submit(candidate.compute, problem, "float32", where)
+        try:
+            trace = reference(problem, where)
+            return running.result(), trace
+        except BaseException:
+            program.cancel()
+            raise
 
 
 def main(args: argparse.Namespace) -> int:

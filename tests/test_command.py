@@ -26,6 +26,8 @@ FAKE = textwrap.dedent('''
     import numpy as np
     mode, request, response = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     Path("cwd.txt").write_text(os.getcwd())
+    if "PID_FILE" in os.environ:
+        Path(os.environ["PID_FILE"]).write_text(str(os.getpid()))
     Path(sys.argv[4] if len(sys.argv) > 4 else "env.json").write_text(json.dumps(dict(os.environ)))
     if mode == "fail":
         sys.stderr.write("reading input...\\nsegmentation fault in conv2_backward at line 42\\n")
@@ -230,6 +232,31 @@ def test_unreadable_yaml(folder):
     (folder / "huge.yaml").write_text("# padding\n" * 200_000)
     with pytest.raises(CommandCandidateError, match=r"huge.yaml: 2000000 bytes is not a candidate YAML"):
         load_command_candidate(folder / "huge.yaml")
+
+
+def test_diagnosis_stopped_during_the_reference_kills_the_running_program(folder, problem, monkeypatch):
+    import time
+
+    import psutil
+
+    from precision_lab import diagnose as diagnose_module
+
+    pid_file = folder / "pid.txt"
+    candidate = resolve(str(_yaml(folder, "sleep", env={"EXAMPLE_DIR": str(EXAMPLE.parent), "PID_FILE": str(pid_file)})))
+
+    def interrupted_reference(*_args):  # Ctrl-C arrives while the program runs beside the reference
+        deadline = time.monotonic() + 60
+        while not pid_file.exists():
+            assert time.monotonic() < deadline, "the program never started"
+            time.sleep(0.05)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(diagnose_module, "reference", interrupted_reference)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        diagnose_module.diagnose(candidate, problem, "cpu")
+    assert time.monotonic() - start < 20  # the program sleeps 30 s: it was killed, not waited for
+    assert not psutil.pid_exists(int(pid_file.read_text()))
 
 
 def test_cli_exits_2_with_one_line_for_a_failing_candidate(folder, capsys):

@@ -84,6 +84,17 @@ def test_bench_diagnosis_cost_says_why_it_is_unavailable(tmp_path):
     assert cost == {"available": False, "reason": f"{tmp_path / 'missing.yaml'}: no such candidate YAML"}
 
 
+def test_bench_diagnosis_cost_times_the_numpy_example_and_its_memory():
+    from precision_lab.bench import diagnosis_cost
+    from precision_lab.paths import ROOT
+
+    cost = diagnosis_cost(ROOT / "examples" / "python" / "candidate.yaml", 24, 1, 0, repeats=2)
+    assert cost["available"] and cost["verdict_exit_code"] == 0, cost
+    assert len(cost["diagnose_runs_s"]) == len(cost["candidate_runs_s"]) == 2
+    assert cost["diagnose_s"] == min(cost["diagnose_runs_s"]) and cost["ratio"] > 1  # the lab also imports torch
+    assert 0.1 < cost["peak_rss_gb"] < 3  # at least the lab's own interpreter with torch
+
+
 def test_in_place_reference_is_bit_identical_to_the_layer_by_layer_pass():
     # the in-place version saves memory only: same operations, same order, same bits
     from precision_lab.conv import DirectConv

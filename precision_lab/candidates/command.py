@@ -21,6 +21,7 @@ path relative to the YAML's folder is made absolute (the command runs elsewhere)
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -160,6 +161,13 @@ class CommandProgram:
         self.yaml_path, self.name, self.claimed, self.weight_layout = yaml_path, name, claimed, weight_layout
         self.commands, self.timeout_s, self.raw, self.env = commands, timeout_s, raw, env
         self.folder = yaml_path.parent
+        self._running: set[subprocess.Popen] = set()  # calls in flight, for cancel() from another thread
+
+    def cancel(self) -> None:
+        """Kill every call in flight (its process group): the lab stopped while the program ran."""
+        for process in list(self._running):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
 
     def run(self, problem: Problem, precision: str, device: torch.device) -> Result:
         from ..bundle import BundleError, read_response, result_from_bundle, write_request
@@ -230,6 +238,7 @@ class CommandProgram:
             except OSError as exc:
                 raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): cannot start {argv[0]!r} "
                                             f"({exc.strerror or exc})") from None
+            self._running.add(process)
             try:
                 returncode = process.wait(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
@@ -241,6 +250,7 @@ class CommandProgram:
                 raise
             finally:
                 _kill_group(process)  # children the program left behind in its group
+                self._running.discard(process)
         if returncode != 0:
             status = f"killed by signal {-returncode}" if returncode < 0 else f"exited with status {returncode}"
             raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): command {status}{_tail(stderr_path)}")
