@@ -46,6 +46,16 @@ def test_trajectories_separate_the_slip_from_the_envelope(cpu_case):
     assert verdicts.loc["fortran-replay-flip", "max_distance_over_envelope"] > 1e3
 
 
+def test_trajectory_size_defaults_to_the_problem_size_on_a_gpu_only():
+    import torch
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
+    assert optimizer_step.trajectory_size_for(None, 1024, gpu) == 1024
+    assert optimizer_step.trajectory_size_for(None, 1024, cpu) == optimizer_step.CPU_TRAJECTORY_SIZE == 256
+    assert optimizer_step.trajectory_size_for(None, 64, cpu) == 64
+    assert optimizer_step.trajectory_size_for(512, 1024, cpu) == 512  # asked for: honoured anywhere
+
+
 def test_float64_recompilation_ratio_separates_rounding_from_the_slip(cpu_case):
     device, problem, chosen, _ = cpu_case
     table, judgements, notes = recompilation.recompilation_table(problem, chosen, device)

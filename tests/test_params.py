@@ -130,3 +130,17 @@ def test_a_non_literal_default_is_refused(tmp_path):
     nbformat.write(notebook, path)
     with pytest.raises(LabInputError, match="literal values only"):
         params.notebook_parameters(path)
+
+
+def test_the_optimizer_notebooks_trajectory_size_is_null_or_a_valid_size():
+    from precision_lab.paths import NOTEBOOKS_DIR
+
+    notebook = NOTEBOOKS_DIR / "01-optimizer-step.ipynb"
+    declared = {notebook.stem: params.notebook_parameters(notebook)}
+    assert declared[notebook.stem]["trajectory_size"].default is None  # chosen per device at run time
+    assert check({"trajectory_size": None}, declared)["trajectory_size"] is None
+    assert check({"trajectory_size": 512}, declared)["trajectory_size"] == 512
+    with pytest.raises(LabInputError, match=r"-p trajectory_size: expected an integer"):
+        check({"trajectory_size": "big"}, declared)
+    with pytest.raises(LabInputError, match=r"-p trajectory_size: image size 4 is too small"):
+        check({"trajectory_size": 4}, declared)

@@ -31,6 +31,19 @@ EXPERIMENT = "01-optimizer-step"
 #: members, and the sample maximum of a handful of draws underestimates the spread's tail
 ENVELOPE_MARGIN = 10.0
 
+#: largest k-step trajectory size on a CPU when none is asked for: 20 steps × 7 members at 1024²
+#: take about 6 minutes on 2 cores (16.6 s a step), which alone would break `make reports`'
+#: 10-minute budget (issue 2); a GPU runs them at the problem's own size
+CPU_TRAJECTORY_SIZE = 256
+
+
+def trajectory_size_for(requested: int | None, size: int, device: torch.device) -> int:
+    """The size the k-step trajectories run at: `requested` if given, else `size` on a GPU and at
+    most CPU_TRAJECTORY_SIZE on a CPU."""
+    if requested is not None:
+        return requested
+    return size if device.type == "cuda" else min(size, CPU_TRAJECTORY_SIZE)
+
 
 def _sup_rel(a: np.ndarray, b: np.ndarray) -> float:
     """‖a − b‖∞ / ‖b‖∞ in float64 (0 when both vanish)."""
