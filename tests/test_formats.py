@@ -24,7 +24,15 @@ def test_round_mantissa_ties_to_even():
 
 def test_round_mantissa_seven_bits_matches_torch_bfloat16():
     x = torch.randn(100_000, generator=torch.Generator().manual_seed(1), dtype=torch.float32) * 1e3
-    assert torch.equal(formats.round_mantissa(x, 7), x.to(torch.bfloat16).to(torch.float32))
+    tiny, big = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), big, -big, tiny, tiny / 3, -tiny / 7,
+                             1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8], dtype=torch.float32)
+    x = torch.cat([x, specials])
+    expected = x.to(torch.bfloat16).to(torch.float32)  # PyTorch's own round-to-nearest-even
+    got = formats.round_mantissa(x, 7)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))  # bit for bit: signed zeros too
+    with_nan = formats.round_mantissa(torch.tensor([float("nan"), 1.0 + 2.0 ** -9], dtype=torch.float32), 7)
+    assert torch.isnan(with_nan[0]) and with_nan[1].item() == 1.0  # NaN stays NaN, the rest still rounds
 
 
 def test_tf32_rounding_error_is_within_its_unit_roundoff():
