@@ -48,43 +48,15 @@ def test_an_element_just_beyond_its_bound_is_a_single_element_defect(case):
     _, trace, result = case
     bound = errmodel.error_bounds(trace)["conv2.weight"].bound
     grad = np.asarray(trace.grads["conv2.weight"], np.float64).copy()
-    signs = np.where(np.random.default_rng(0).random(grad.shape) < 0.5, -1.0, 1.0)
-    inside = grad + 0.9 * bound * signs  # every element at 0.9 of its bound: nothing stands alone
-    outside = inside.copy()
-    outside[1, 2, 0, 0] = grad[1, 2, 0, 0] + 1.1 * bound[1, 2, 0, 0]
+    inside, outside = grad.copy(), grad.copy()
+    inside[1, 2, 0, 0] += 0.9 * bound[1, 2, 0, 0]
+    outside[1, 2, 0, 0] += 1.1 * bound[1, 2, 0, 0]
     assert verdict.judge(_copy(result, **{"conv2.weight": inside}), trace).verdict == "roundoff"
     slipped = verdict.judge(_copy(result, **{"conv2.weight": outside}), trace)
     assert slipped.verdict == "defect"
     q = slipped.quantities["conv2.weight"]
     assert q.exceeding == 1 and q.bound_ratio == pytest.approx(1.1, rel=1e-3)
-
-
-def test_a_lone_slip_within_the_bound_is_a_defect_from_the_rule_of_thumb_level(case):
-    _, trace, result = case
-    bound = errmodel.error_bounds(trace)["conv2.weight"].bound
-    grad = np.asarray(result.grads["conv2.weight"], np.float64).copy()
-    ref = np.asarray(trace.grads["conv2.weight"], np.float64)
-    second = float(np.max(np.abs(grad - ref) / bound))  # float32 rounding elsewhere: far below the floor
-    assert second * verdict.FORMAT_MATCH_FACTOR < verdict.LONE_SLIP_FLOOR
-    verdicts = {}
-    for level in (0.8, 1.2):  # × the floor 1/λ of the bound
-        slipped = grad.copy()
-        slipped[1, 2, 0, 0] = ref[1, 2, 0, 0] + level * verdict.LONE_SLIP_FLOOR * bound[1, 2, 0, 0]
-        judged = verdict.judge(_copy(result, **{"conv2.weight": slipped}), trace)
-        verdicts[level] = judged.verdict
-        q = judged.quantities["conv2.weight"]
-        assert q.exceeding == 0 and q.bound_ratio == pytest.approx(level / errmodel.LAMBDA, rel=1e-3)
-    assert verdicts == {0.8: "roundoff", 1.2: "defect"}
-    assert "stands alone" in q.evidence and "rule-of-thumb" in q.evidence
-
-
-def test_a_single_element_beyond_the_bound_in_a_noisy_tensor_is_a_defect(case):
-    _, trace, result = case
-    bound = errmodel.error_bounds(trace)["conv2.weight"].bound
-    grad = np.asarray(result.grads["conv2.weight"], np.float64).copy()
-    grad[1, 2, 0, 0] = trace.grads["conv2.weight"][1, 2, 0, 0] + 1.1 * bound[1, 2, 0, 0]
-    q = verdict.judge(_copy(result, **{"conv2.weight": grad}), trace).quantities["conv2.weight"]
-    assert q.verdict == "defect" and q.exceeding == 1 and "single element" in q.evidence
+    assert "single element" in q.evidence
 
 
 def test_layout_doctor_names_the_transform(case):
