@@ -139,8 +139,10 @@ def diagnosis_cost(candidate: Path, size: int, batch: int, seed: int, repeats: i
     machine slows both alike). Each diagnosis runs in a child reaped with os.wait4, whose
     ru_maxrss is the peak of that child and the descendants it reaped — the largest single
     process (the lab's own peak, unless the program is bigger), not earlier children (which
-    RUSAGE_CHILDREN would count). The candidate's program runs beside the lab's reference, so
-    the process tree's summed RSS is sampled too: what the machine must hold at once.
+    RUSAGE_CHILDREN would count), taken from the first diagnosis only (later ones start after this
+    process has grown). The candidate's program runs beside the lab's reference, so the process
+    tree's summed RSS is sampled too: what the machine must hold at once (an upper bound: shared
+    library pages count in each process).
     """
     missing = _diagnosis_unavailable(candidate)
     if missing:
@@ -156,7 +158,8 @@ def diagnosis_cost(candidate: Path, size: int, batch: int, seed: int, repeats: i
         if returncode not in (0, 1):
             return {"available": False, "reason": f"diagnose failed (exit {returncode}): {error_lines[-1:] or ''}"}
         diagnose_s.append(seconds)
-        peaks.append(single_gb)
+        if not peaks:  # later children start from this process grown by the own runs: exec carries its high-water mark
+            peaks.append(single_gb)
         tree_peaks.append(tree_gb)
         if runner is None:  # built after the first diagnosis: this process stays small until then
             runner, problem = resolve(str(candidate)), make_problem(size, batch, seed)
@@ -200,7 +203,8 @@ def main(args: argparse.Namespace) -> int:
                   f"{cost['ratio']:.2f}× ({_met(cost['ratio'], DIAGNOSIS_TARGET)} the ≤ {DIAGNOSIS_TARGET:g}× target)")
             print(f"diagnosis peak RSS: {cost['peak_rss_gb']:.2f} GB, the largest process "
                   f"({_met(cost['peak_rss_gb'], DIAGNOSIS_MEMORY_TARGET_GB)} the < {DIAGNOSIS_MEMORY_TARGET_GB:g} GB target); "
-                  f"{cost['peak_tree_rss_gb']:.2f} GB with the candidate's program running beside it")
+                  f"{cost['peak_tree_rss_gb']:.2f} GB with the candidate's program running beside it "
+                  "(summed RSS: shared library pages counted in each process, an upper bound)")
     if "reference" in parts:
         ref = reference_ratio(make_problem(args.size, args.batch, args.seed), args.repeats, args.check_stock)
         figures["reference"] = ref

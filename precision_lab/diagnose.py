@@ -79,6 +79,7 @@ def _overlapped(candidate: Candidate, program: CommandProgram, problem: Problem,
     memory peak of a diagnosis, come after it has exited. Anything that stops the reference
     (Ctrl-C, an error) kills the program first, so nothing is left running.
     """
+    program.allow_calls()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="candidate") as pool:
         running = pool.submit(candidate.compute, problem, "float32", where)
         try:

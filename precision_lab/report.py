@@ -288,14 +288,21 @@ def _stop_notebook_process() -> None:
         child.kill()
         child.wait()
     _, survivors = psutil.wait_procs(below, timeout=KERNEL_GRACE_S)
-    for process in survivors:
+    for stop in (psutil.Process.terminate, psutil.Process.kill):
+        survivors = _with_descendants(survivors)  # what they started since the first look
+        for process in survivors:
+            with contextlib.suppress(psutil.Error):
+                stop(process)
+        _, survivors = psutil.wait_procs(survivors, timeout=KERNEL_GRACE_S)
+
+
+def _with_descendants(processes: list) -> list:
+    """The processes and everything now running below them."""
+    found = {process.pid: process for process in processes}
+    for process in processes:
         with contextlib.suppress(psutil.Error):
-            process.terminate()
-    _, survivors = psutil.wait_procs(survivors, timeout=KERNEL_GRACE_S)
-    for process in survivors:
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-    psutil.wait_procs(survivors, timeout=KERNEL_GRACE_S)
+            found.update((child.pid, child) for child in process.children(recursive=True))
+    return list(found.values())
 
 
 def _say(message: str) -> None:

@@ -259,6 +259,18 @@ def test_diagnosis_stopped_during_the_reference_kills_the_running_program(folder
     assert not psutil.pid_exists(int(pid_file.read_text()))
 
 
+def test_a_cancel_before_the_program_starts_stops_the_call(folder, problem):
+    pid_file = folder / "pid.txt"
+    candidate = load_command_candidate(_yaml(folder, env={"EXAMPLE_DIR": str(EXAMPLE.parent), "PID_FILE": str(pid_file)}))
+    program = candidate.run.__self__
+    program.cancel()  # Ctrl-C arrived while the request was still being written
+    with pytest.raises(CommandCandidateError, match=r"fake-good .*: cancelled"):
+        candidate.compute(problem)
+    assert not pid_file.exists()  # the program never ran
+    program.allow_calls()
+    assert candidate.compute(problem).meta["wall_s"] > 0 and pid_file.exists()
+
+
 def test_cli_exits_2_with_one_line_for_a_failing_candidate(folder, capsys):
     parser = cli.build_parser()
     if "diagnose" not in parser._subparsers._group_actions[0].choices:

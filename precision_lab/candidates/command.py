@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -162,12 +163,22 @@ class CommandProgram:
         self.commands, self.timeout_s, self.raw, self.env = commands, timeout_s, raw, env
         self.folder = yaml_path.parent
         self._running: set[subprocess.Popen] = set()  # calls in flight, for cancel() from another thread
+        self._lock = threading.Lock()  # orders cancel() against the start of a call
+        self._cancelled = False
+
+    def allow_calls(self) -> None:
+        """Undo cancel(): calls may start again (each diagnosis begins with this)."""
+        with self._lock:
+            self._cancelled = False
 
     def cancel(self) -> None:
-        """Kill every call in flight (its process group): the lab stopped while the program ran."""
-        for process in list(self._running):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
+        """Kill every call in flight (its process group) and refuse new ones until allow_calls():
+        the lab stopped while the program ran, or was about to start it."""
+        with self._lock:
+            self._cancelled = True
+            for process in list(self._running):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)
 
     def run(self, problem: Problem, precision: str, device: torch.device) -> Result:
         from ..bundle import BundleError, read_response, result_from_bundle, write_request
@@ -228,8 +239,12 @@ class CommandProgram:
         start = time.perf_counter()
         with open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr:
             try:
-                process = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
-                                           stderr=stderr, start_new_session=True)
+                with self._lock:  # a cancel() before this point stops the call; one after it kills the process
+                    if self._cancelled:
+                        raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): cancelled")
+                    process = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
+                                               stderr=stderr, start_new_session=True)
+                    self._running.add(process)
             except FileNotFoundError:
                 raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): command {argv[0]!r} not found") from None
             except PermissionError:
@@ -238,7 +253,6 @@ class CommandProgram:
             except OSError as exc:
                 raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): cannot start {argv[0]!r} "
                                             f"({exc.strerror or exc})") from None
-            self._running.add(process)
             try:
                 returncode = process.wait(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
@@ -250,7 +264,8 @@ class CommandProgram:
                 raise
             finally:
                 _kill_group(process)  # children the program left behind in its group
-                self._running.discard(process)
+                with self._lock:
+                    self._running.discard(process)
         if returncode != 0:
             status = f"killed by signal {-returncode}" if returncode < 0 else f"exited with status {returncode}"
             raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): command {status}{_tail(stderr_path)}")
