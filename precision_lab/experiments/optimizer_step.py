@@ -31,8 +31,8 @@ EXPERIMENT = "01-optimizer-step"
 #: members, and the sample maximum of a handful of draws underestimates the spread's tail
 ENVELOPE_MARGIN = 10.0
 
-#: largest k-step trajectory size on a CPU when none is asked for: 20 steps × 7 members at 1024²
-#: take about 6 minutes on 2 cores (16.6 s a step), which alone would break `make reports`'
+#: largest k-step trajectory size on a CPU when none is asked for: 20 steps × 7 members + float64
+#: at 1024² take 5–6 minutes on 2 cores (15–17 s a step), which alone would break `make reports`'
 #: 10-minute budget (issue 2); a GPU runs them at the problem's own size
 CPU_TRAJECTORY_SIZE = 256
 
