@@ -4,7 +4,7 @@
    interleaved and the fastest of `--repeats` kept for each (a busy machine slows both alike);
 2. a diagnosis of a float32 command candidate (`precision-lab diagnose --candidate FILE.yaml`)
    ÷ the candidate's own run (interleaved, fastest of `--repeats` each), and the diagnosis's
-   peak resident memory (the lab and the program together);
+   peak resident memory (the largest process, and the lab and the program together);
 3. a table of the convolution algorithms: time and worst error ÷ bound at one size.
 """
 from __future__ import annotations
@@ -151,21 +151,21 @@ def diagnosis_cost(candidate: Path, size: int, batch: int, seed: int, repeats: i
 
     command = [sys.executable, "-m", "precision_lab.cli", "diagnose", "--candidate", str(candidate),
                "--size", str(size), "--batch", str(batch), "--seed", str(seed), "--device", "cpu"]
-    runner, problem = None, None
-    diagnose_s, own_s, peaks, tree_peaks = [], [], [], []
+    runner, problem, first_peak = None, None, None
+    diagnose_s, own_s, tree_peaks = [], [], []
     for _ in range(repeats):
         seconds, single_gb, tree_gb, returncode, error_lines = _one_diagnosis(command)
         if returncode not in (0, 1):
             return {"available": False, "reason": f"diagnose failed (exit {returncode}): {error_lines[-1:] or ''}"}
         diagnose_s.append(seconds)
-        if not peaks:  # later children start from this process grown by the own runs: exec carries its high-water mark
-            peaks.append(single_gb)
+        if first_peak is None:  # later children start from this process grown by the own runs: exec carries its high-water mark
+            first_peak = single_gb
         tree_peaks.append(tree_gb)
         if runner is None:  # built after the first diagnosis: this process stays small until then
             runner, problem = resolve(str(candidate)), make_problem(size, batch, seed)
         own_s.append(_timed(lambda: runner.compute(problem, "float32", "cpu"))[0])
     return {"available": True, "candidate": str(candidate), "diagnose_s": min(diagnose_s), "candidate_s": min(own_s),
-            "ratio": min(diagnose_s) / min(own_s), "target": DIAGNOSIS_TARGET, "peak_rss_gb": max(peaks),
+            "ratio": min(diagnose_s) / min(own_s), "target": DIAGNOSIS_TARGET, "peak_rss_gb": first_peak,
             "peak_tree_rss_gb": max(tree_peaks),
             "memory_target_gb": DIAGNOSIS_MEMORY_TARGET_GB, "verdict_exit_code": returncode,
             "diagnose_runs_s": diagnose_s, "candidate_runs_s": own_s}
