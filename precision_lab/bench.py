@@ -1,11 +1,18 @@
-"""`precision-lab bench`: the benchmark ratios of issue 5, printed (not timed tests).
+"""`precision-lab bench`: the benchmark ratios, printed (not timed tests: machines are shared and noisy).
 
-1. float64 reference ÷ float32 native forward + backward, same problem, same process, runs
-   interleaved and the fastest of `--repeats` kept for each (a busy machine slows both alike);
-2. a diagnosis of a float32 command candidate (`precision-lab diagnose --candidate FILE.yaml`)
-   ÷ the candidate's own run (interleaved, fastest of `--repeats` each), and the diagnosis's
-   peak resident memory (the largest process, and the lab and the program together);
-3. a table of the convolution algorithms: time and worst error ÷ bound at one size.
+1. `reference`: float64 reference ÷ float32 native forward + backward, same problem, same process,
+   runs interleaved and the fastest of `--repeats` kept for each (a busy machine slows both alike);
+2. `bounds`: the error bounds of the problem's network ÷ its float64 reference (issue 13: ≤ 3×);
+3. `diagnose`: a diagnosis of a float32 command candidate (`precision-lab diagnose --candidate
+   FILE.yaml --probes none`) ÷ the candidate's own run (interleaved, fastest of `--repeats` each),
+   and the diagnosis's peak resident memory (the largest process, and the lab and the program together);
+4. `builtin`: an in-process diagnosis of the built-in `native` candidate, seconds beyond the
+   candidate's own run (issue 11 on a GPU: ≤ 3 s at 1024²), and what the default probes add
+   (issue 12: ≤ 25% of the requested problem's diagnosis);
+5. `algorithms`: a table of the convolution algorithms: time and worst error ÷ bound at one size.
+
+Every part runs on `--device` (auto: the GPU when there is one) and on `--model` (the seed CNN by
+default); GPU timings synchronise before reading the clock.
 """
 from __future__ import annotations
 
@@ -24,47 +31,70 @@ from pathlib import Path
 
 import psutil
 
+from . import options
+from .compute import forward_backward
+from .device import resolve_device
 from .errors import LabInputError
+from .model import ModelSpecError, load_model
 from .paths import ROOT
-from .problem import forward_backward, make_problem
+from .problem import make_problem
 
 #: issue 5, item 4: the float64 reference within 2× of the float32 native forward + backward
 REFERENCE_TARGET = 2.0
 #: issue 5, item 5: a diagnosis within 4× of the candidate's own run, peaking under 3 GB
 DIAGNOSIS_TARGET, DIAGNOSIS_MEMORY_TARGET_GB = 4.0, 3.0
 DEFAULT_CANDIDATE = ROOT / "examples" / "python" / "candidate.yaml"
-PARTS = ("reference", "diagnose", "algorithms")
+#: issue 13, item 7: the bounds of a network within 3× its float64 reference forward + backward
+BOUNDS_TARGET = 3.0
+#: issue 11, item 4: a diagnosis of a built-in candidate at 1024² within 3 s of the candidate's own run (GPU)
+BUILTIN_EXTRA_TARGET_S = 3.0
+#: issue 12, item 1: the default probes within 25% of the requested problem's diagnosis
+PROBES_TARGET = 0.25
+PARTS = ("reference", "bounds", "diagnose", "builtin", "algorithms")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size", type=int, default=1024, help="image size (default 1024, the seed scale)")
-    parser.add_argument("--batch", type=int, default=2, help="batch size (default 2)")
-    parser.add_argument("--seed", type=int, default=0, help="problem seed (default 0)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per timing; the fastest counts (default 3)")
+    parser.add_argument("--size", default=None, help="image size N or HxW (default 1024, the seed scale, or the nearest "
+                                                     "the network takes)")
+    parser.add_argument("--batch", default="2", help="batch size (default 2)")
+    parser.add_argument("--seed", default="0", help="problem seed (default 0)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto: the GPU when present)")
+    parser.add_argument("--model", default=None, help="model spec (JSON/YAML file, default the seed CNN)")
+    parser.add_argument("--repeats", default="3", help="interleaved runs per timing; the fastest counts (default 3)")
     parser.add_argument("--candidate", default=str(DEFAULT_CANDIDATE),
                         help="float32 command candidate YAML for the diagnosis cost (default examples/python/candidate.yaml)")
     parser.add_argument("--only", action="append", choices=PARTS, help="run only this part (repeatable)")
-    parser.add_argument("--algorithms-size", type=int, default=256, help="image size of the algorithms table (default 256)")
+    parser.add_argument("--algorithms-size", default="256", help="image size of the algorithms table (default 256)")
     parser.add_argument("--check-stock", action="store_true",
                         help="also time stock PyTorch float64 and check the reference agrees with it (slow: ~6-20× float32)")
     parser.add_argument("--json", metavar="OUT", help="write every figure as JSON to this file")
 
 
-def _timed(fn):
+def _sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device="cpu"):
     gc.collect()
+    _sync(device)
     start = time.perf_counter()
     value = fn()
+    _sync(device)
     return time.perf_counter() - start, value
 
 
-def reference_ratio(problem, repeats: int = 3, check_stock: bool = False) -> dict:
+def reference_ratio(problem, repeats: int = 3, check_stock: bool = False, device="cpu") -> dict:
     """Fastest float32 native and float64 reference forward + backward, interleaved, and their ratio."""
     from .reference import agreement, reference, stock_reference
 
     float32_s, float64_s = [], []
+    forward_backward(problem, "float32", device)  # warm-up: cuDNN's first call picks and loads kernels
     for _ in range(repeats):
-        float32_s.append(_timed(lambda: forward_backward(problem, "float32"))[0])
-        seconds, trace = _timed(lambda: reference(problem))
+        float32_s.append(_timed(lambda: forward_backward(problem, "float32", device), device)[0])
+        seconds, trace = _timed(lambda: reference(problem, device), device)
         float64_s.append(seconds)
         if not check_stock:
             del trace
@@ -72,17 +102,47 @@ def reference_ratio(problem, repeats: int = 3, check_stock: bool = False) -> dic
            "ratio": min(float64_s) / min(float32_s), "target": REFERENCE_TARGET,
            "float32_runs_s": float32_s, "float64_runs_s": float64_s, "reference_conv": "direct (shift-and-GEMM)"}
     if check_stock:
-        seconds, stock = _timed(lambda: stock_reference(problem))
+        seconds, stock = _timed(lambda: stock_reference(problem, device), device)
         out.update(stock_float64_s=seconds, stock_ratio=seconds / min(float32_s),
                    max_relative_difference_to_stock=max(agreement(trace, stock).values()))
     return out
 
 
+def bounds_ratio(problem, repeats: int = 3, device="cpu") -> dict:
+    """Fastest float64 reference and error bounds of the same problem, and their ratio."""
+    from . import errmodel
+    from .reference import reference
+
+    reference_s, bounds_s = [], []
+    for _ in range(repeats):
+        seconds, trace = _timed(lambda: reference(problem, device), device)
+        reference_s.append(seconds)
+        bounds_s.append(_timed(lambda: errmodel.error_bounds(trace, "float32"), device)[0])
+        del trace
+    return {"reference_s": min(reference_s), "bounds_s": min(bounds_s), "ratio": min(bounds_s) / min(reference_s),
+            "target": BOUNDS_TARGET, "reference_runs_s": reference_s, "bounds_runs_s": bounds_s}
+
+
+def builtin_cost(problem, repeats: int = 3, device="cpu", name: str = "native") -> dict:
+    """Seconds an in-process diagnosis of a built-in candidate adds to its own run, and what the probes add."""
+    from .candidates import get_builtin
+    from .diagnose import diagnose
+
+    candidate = get_builtin(name)
+    candidate.compute(problem, "float32", device)  # warm-up
+    own_s, diagnose_s, probes_s = [], [], []
+    for _ in range(repeats):
+        own_s.append(_timed(lambda: candidate.compute(problem, "float32", device), device)[0])
+        diagnose_s.append(_timed(lambda: diagnose(candidate, problem, str(device), probes=[]), device)[0])
+        probes_s.append(_timed(lambda: diagnose(candidate, problem, str(device)), device)[0])
+    main, with_probes = min(diagnose_s), min(probes_s)
+    return {"candidate": name, "candidate_s": min(own_s), "diagnose_s": main, "extra_s": main - min(own_s),
+            "extra_target_s": BUILTIN_EXTRA_TARGET_S, "with_probes_s": with_probes,
+            "probes_share": (with_probes - main) / main, "probes_target": PROBES_TARGET,
+            "runs": {"candidate": own_s, "diagnose": diagnose_s, "with_probes": probes_s}}
+
+
 def _diagnosis_unavailable(candidate: Path) -> str | None:
-    if importlib.util.find_spec("precision_lab.diagnose") is None:
-        return "precision_lab.diagnose is not written yet"
-    if importlib.util.find_spec("precision_lab.candidates.command") is None:
-        return "command candidates (precision_lab.candidates.command) are not written yet"
     if not candidate.exists():
         return f"{candidate}: no such candidate YAML"
     return None
@@ -132,7 +192,7 @@ def _one_diagnosis(command: list[str]) -> tuple[float, float, float, int, list[s
     return seconds, single_gb, max(single_gb, peak[0] / 2 ** 30), child.returncode, error_lines
 
 
-def diagnosis_cost(candidate: Path, size: int, batch: int, seed: int, repeats: int = 1) -> dict:
+def diagnosis_cost(candidate: Path, size, batch: int, seed: int, repeats: int = 1, device: str = "cpu") -> dict:
     """Wall time and peak memory of `precision-lab diagnose --candidate FILE`, and the candidate's own run.
 
     Diagnoses and own runs are interleaved `repeats` times and the fastest of each kept (a busy
@@ -149,8 +209,10 @@ def diagnosis_cost(candidate: Path, size: int, batch: int, seed: int, repeats: i
         return {"available": False, "reason": missing}
     from .candidates import resolve
 
+    height, width = size if isinstance(size, (tuple, list)) else (size, size)
     command = [sys.executable, "-m", "precision_lab.cli", "diagnose", "--candidate", str(candidate),
-               "--size", str(size), "--batch", str(batch), "--seed", str(seed), "--device", "cpu"]
+               "--size", f"{height}x{width}", "--batch", str(batch), "--seed", str(seed), "--device", str(device),
+               "--probes", "none"]
     runner, problem, first_peak = None, None, None
     diagnose_s, own_s, tree_peaks = [], [], []
     for _ in range(repeats):
@@ -162,8 +224,9 @@ def diagnosis_cost(candidate: Path, size: int, batch: int, seed: int, repeats: i
             first_peak = single_gb
         tree_peaks.append(tree_gb)
         if runner is None:  # built after the first diagnosis: this process stays small until then
-            runner, problem = resolve(str(candidate)), make_problem(size, batch, seed)
-        own_s.append(_timed(lambda: runner.compute(problem, "float32", "cpu"))[0])
+            runner = resolve(str(candidate))
+            problem = make_problem(size, batch, seed, network=runner.network)
+        own_s.append(_timed(lambda: runner.compute(problem, "float32", device), device)[0])
     return {"available": True, "candidate": str(candidate), "diagnose_s": min(diagnose_s), "candidate_s": min(own_s),
             "ratio": min(diagnose_s) / min(own_s), "target": DIAGNOSIS_TARGET, "peak_rss_gb": first_peak,
             "peak_tree_rss_gb": max(tree_peaks),
@@ -171,13 +234,13 @@ def diagnosis_cost(candidate: Path, size: int, batch: int, seed: int, repeats: i
             "diagnose_runs_s": diagnose_s, "candidate_runs_s": own_s}
 
 
-def algorithms_table(size: int, batch: int, seed: int):
+def algorithms_table(size: int, batch: int, seed: int, device="cpu"):
     """Time and worst error ÷ bound of every convolution algorithm at one size (experiment 05's sweep)."""
     import torch
 
     from .experiments import algorithms
 
-    table = algorithms.sweep([size], list(algorithms.DEFAULT_ALGORITHMS), torch.device("cpu"), batch, seed)
+    table = algorithms.sweep([size], list(algorithms.DEFAULT_ALGORITHMS), torch.device(device), batch, seed)
     return algorithms.per_run(table)
 
 
@@ -186,38 +249,61 @@ def _met(value: float, target: float) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.size < 8 or args.batch < 1 or args.repeats < 1 or args.algorithms_size < 8:
-        raise LabInputError("bench: --size and --algorithms-size must be ≥ 8, --batch and --repeats ≥ 1")
+    batch, seed = options.positive(args.batch, "--batch"), options.nonnegative(args.seed, "--seed")
+    repeats = options.positive(args.repeats, "--repeats")
+    algorithms_size = options.size(args.algorithms_size, "--algorithms-size")[0]
+    device = resolve_device(args.device)
+    try:
+        network = load_model(args.model)
+    except ModelSpecError as exc:
+        raise LabInputError(f"--model: {exc}") from None
+    size = options.size(args.size) or network.default_size(1024)
     parts = args.only or list(PARTS)
-    figures: dict = {"size": args.size, "batch": args.batch, "seed": args.seed}
-    print(f"problem: {args.size}×{args.size}, batch {args.batch}, seed {args.seed}; best of {args.repeats} interleaved runs")
+    problem_text = f"{size[0]}×{size[1]}, batch {batch}, seed {seed}, network {network.name}, on {device}"
+    figures: dict = {"size": list(size), "batch": batch, "seed": seed, "device": str(device), "network": network.name}
+    print(f"problem: {problem_text}; best of {repeats} interleaved runs")
     # the diagnosis goes first: exec folds the parent's memory high-water mark into the child's
     # ru_maxrss, so it must be measured while this process is still small
     if "diagnose" in parts:
-        cost = diagnosis_cost(Path(args.candidate), args.size, args.batch, args.seed, args.repeats)
+        cost = diagnosis_cost(Path(args.candidate), size, batch, seed, repeats, str(device))
         figures["diagnose"] = cost
         if not cost["available"]:
-            print(f"cost of a diagnosis: not available yet ({cost['reason']})")
+            print(f"cost of a diagnosis: not available ({cost['reason']})")
         else:
-            print(f"diagnosis ÷ candidate's own run: {cost['diagnose_s']:.1f} s ÷ {cost['candidate_s']:.1f} s = "
+            print(f"diagnosis (no probes) ÷ candidate's own run: {cost['diagnose_s']:.1f} s ÷ {cost['candidate_s']:.1f} s = "
                   f"{cost['ratio']:.2f}× ({_met(cost['ratio'], DIAGNOSIS_TARGET)} the ≤ {DIAGNOSIS_TARGET:g}× target)")
             print(f"diagnosis peak RSS: {cost['peak_rss_gb']:.2f} GB, the largest process "
                   f"({_met(cost['peak_rss_gb'], DIAGNOSIS_MEMORY_TARGET_GB)} the < {DIAGNOSIS_MEMORY_TARGET_GB:g} GB target); "
                   f"{cost['peak_tree_rss_gb']:.2f} GB with the candidate's program running beside it "
                   "(summed RSS: shared library pages counted in each process, an upper bound)")
+    problem = make_problem(size, batch, seed, network=network) if set(parts) - {"diagnose", "algorithms"} else None
     if "reference" in parts:
-        ref = reference_ratio(make_problem(args.size, args.batch, args.seed), args.repeats, args.check_stock)
+        ref = reference_ratio(problem, repeats, args.check_stock, device)
         figures["reference"] = ref
-        print(f"float64 reference ÷ float32 native forward+backward: {ref['float64_reference_s']:.2f} s ÷ "
-              f"{ref['float32_native_s']:.2f} s = {ref['ratio']:.2f}× ({_met(ref['ratio'], REFERENCE_TARGET)} "
+        print(f"float64 reference ÷ float32 native forward+backward: {ref['float64_reference_s']:.3g} s ÷ "
+              f"{ref['float32_native_s']:.3g} s = {ref['ratio']:.2f}× ({_met(ref['ratio'], REFERENCE_TARGET)} "
               f"the ≤ {REFERENCE_TARGET:g}× target)")
         if args.check_stock:
             print(f"stock float64: {ref['stock_float64_s']:.2f} s = {ref['stock_ratio']:.1f}× float32; reference "
                   f"agrees with it to {ref['max_relative_difference_to_stock']:.1e} (relative)")
+    if "bounds" in parts:
+        cost = bounds_ratio(problem, repeats, device)
+        figures["bounds"] = cost
+        print(f"error bounds ÷ float64 reference: {cost['bounds_s']:.3g} s ÷ {cost['reference_s']:.3g} s = "
+              f"{cost['ratio']:.2f}× ({_met(cost['ratio'], BOUNDS_TARGET)} the ≤ {BOUNDS_TARGET:g}× target)")
+    if "builtin" in parts:
+        cost = builtin_cost(problem, repeats, device)
+        figures["builtin"] = cost
+        print(f"diagnosis of built-in native beyond its own run: {cost['diagnose_s']:.3g} s − {cost['candidate_s']:.3g} s "
+              f"= {cost['extra_s']:.3g} s ({_met(cost['extra_s'], BUILTIN_EXTRA_TARGET_S)} the ≤ "
+              f"{BUILTIN_EXTRA_TARGET_S:g} s target on a GPU)")
+        print(f"default probes add {cost['with_probes_s'] - cost['diagnose_s']:.3g} s = {cost['probes_share']:.0%} of the "
+              f"requested problem's diagnosis ({_met(cost['probes_share'], PROBES_TARGET)} the ≤ "
+              f"{PROBES_TARGET:.0%} target)")
     if "algorithms" in parts:
-        runs = algorithms_table(args.algorithms_size, args.batch, args.seed)
+        runs = algorithms_table(algorithms_size, batch, seed, device)
         figures["algorithms"] = runs.to_dict(orient="records")
-        print(f"convolution algorithms, float32 forward+backward at {args.algorithms_size}², batch {args.batch}:")
+        print(f"convolution algorithms, float32 forward+backward at {algorithms_size}², batch {batch}:")
         print(runs.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     if args.json:
         try:

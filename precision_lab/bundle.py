@@ -6,6 +6,12 @@ A bundle is a directory holding `bundle.json` and either `arrays.npz` (C order, 
 "C" when absent). Everything read is validated *before* it is allocated: names, shapes,
 dtypes, file sizes and the memory the arrays would take; then every value must be finite.
 Every error is one line naming the file, the key and what was expected (`BundleError`).
+
+Array names follow the bundle's network (its `model`, either form of the model spec): `input`
+(N, C, H, W), `target` (the output's shape for mse; int64 class indices (N,) or (N, H, W) for
+cross_entropy), `<name>.weight` / `<name>.bias` (4-D weights in `weight_layout`, 2-D ones in its
+order of O and I), and in a response `loss`, `<param>.grad`, optionally `output` and, for named
+layers, `<layer>.output` and `<layer>.output.grad` (intermediates, for localisation).
 """
 from __future__ import annotations
 
@@ -17,22 +23,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from . import formats
-from .candidates import Candidate, CandidateError
+from .compute import GradBuffer, Result
 from .errors import LabInputError
-from .layout import check_layout, from_layout, shape_in_layout, to_layout
-from .problem import CHANNELS, KERNEL_SIZE, PADDING, PARAM_NAMES, WEIGHT_NAMES, Problem, Result, param_shape
+from .layout import check_layout, from_layout, layout_for, shape_in_layout, to_layout
+from .model import SEED_SPEC, ModelSpecError, Network, parse_spec, seed_network
+from .problem import Problem
 
 FORMAT = "precision-lab/bundle-1"
-MODEL = {"channels": list(CHANNELS), "kernel_size": KERNEL_SIZE, "padding": PADDING,
-         "activation": "relu", "loss": "mse"}
+#: the seed network's spec, as requests for it carry it
+MODEL = dict(SEED_SPEC)
 KINDS = ("request", "response", "static")
 MANIFEST = "bundle.json"
 NPZ = "arrays.npz"
-GRAD_NAMES = tuple(f"{name}.grad" for name in PARAM_NAMES)
-RAW_DTYPES = ("float32", "float64")
+RAW_DTYPES = ("float32", "float64", "int64")
 #: a bundle may take at most this share of the memory available now: the lab still needs room
 #: for the float64 reference (twice the float32 bytes) and its intermediates
 MEMORY_SHARE = 0.25
@@ -52,6 +57,8 @@ class Bundle:
     weight_layout: str
     arrays: dict[str, np.ndarray]
     manifest: dict = field(default_factory=dict)
+    network: Network | None = None
+    buffers: dict[str, GradBuffer] = field(default_factory=dict)  # weight gradients as written (memory order)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -63,7 +70,8 @@ class Bundle:
 
 
 def write_bundle(directory: str | Path, kind: str, precision: str, weight_layout: str,
-                 arrays: dict[str, np.ndarray], raw: bool = False, extra: dict | None = None) -> Path:
+                 arrays: dict[str, np.ndarray], raw: bool = False, extra: dict | None = None,
+                 network: Network | None = None) -> Path:
     """Write `arrays` (already in their exchange shapes and dtypes) as a bundle; returns the directory.
 
     With `raw`, each array goes to `<name>.bin` in Fortran (column-major) order, listed in
@@ -71,7 +79,8 @@ def write_bundle(directory: str | Path, kind: str, precision: str, weight_layout
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    manifest = {"format": FORMAT, "kind": kind, "model": MODEL, "precision": precision,
+    model = (network or seed_network()).to_json()
+    manifest = {"format": FORMAT, "kind": kind, "model": model, "precision": precision,
                 "weight_layout": weight_layout, **(extra or {})}
     if raw:
         manifest["arrays"] = {}
@@ -100,22 +109,25 @@ def request_arrays(problem: Problem, precision: str, weight_layout: str) -> dict
     """The request arrays of `problem`: float32 values cast exactly to the precision's storage dtype."""
     dtype = _storage_dtype(precision, "precision")
     check_layout(weight_layout)
-    arrays = {"input": problem.input.astype(dtype), "target": problem.target.astype(dtype)}
-    for name in PARAM_NAMES:
-        value = problem.params[name].astype(dtype)
-        arrays[name] = to_layout(value, weight_layout) if name in WEIGHT_NAMES else value
+    target = problem.target if problem.target.dtype == np.int64 else problem.target.astype(dtype)
+    arrays = {"input": problem.input.astype(dtype), "target": target}
+    for name in problem.network.parameter_names:
+        arrays[name] = to_layout(problem.params[name].astype(dtype), weight_layout)
     return arrays
 
 
-def response_arrays(result: Result, precision: str, weight_layout: str) -> dict[str, np.ndarray]:
-    """The response arrays of a Result (gradients in OIHW) in the exchange layout and dtype."""
+def response_arrays(result: Result, precision: str, weight_layout: str, network: Network | None = None
+                    ) -> dict[str, np.ndarray]:
+    """The response arrays of a Result (canonical gradients) in the exchange layout and dtype."""
     dtype = _storage_dtype(precision, "precision")
+    names = (network or seed_network()).parameter_names
     arrays = {"loss": np.asarray(result.loss, dtype)}
-    for name in PARAM_NAMES:
-        grad = np.asarray(result.grads[name], dtype)
-        arrays[f"{name}.grad"] = to_layout(grad, weight_layout) if name in WEIGHT_NAMES else grad
+    for name in names:
+        arrays[f"{name}.grad"] = to_layout(np.asarray(result.grads[name], dtype), weight_layout)
     if result.output is not None:
         arrays["output"] = np.asarray(result.output, dtype)
+    for name, value in result.intermediates.items():
+        arrays[name] = np.asarray(value, dtype)
     return arrays
 
 
@@ -123,21 +135,22 @@ def write_request(problem: Problem, directory: str | Path, precision: str = "flo
                   weight_layout: str = "OIHW", raw: bool = False) -> Path:
     """Write the request bundle a candidate reads: the problem in its layout and precision."""
     return write_bundle(directory, "request", precision, weight_layout,
-                        request_arrays(problem, precision, weight_layout), raw)
+                        request_arrays(problem, precision, weight_layout), raw, network=problem.network)
 
 
 def write_response(result: Result, directory: str | Path, precision: str = "float32",
-                   weight_layout: str = "OIHW", raw: bool = False) -> Path:
-    """Write a response bundle (what a candidate writes) from a Result with OIHW gradients."""
+                   weight_layout: str = "OIHW", raw: bool = False, network: Network | None = None) -> Path:
+    """Write a response bundle (what a candidate writes) from a Result with canonical gradients."""
     return write_bundle(directory, "response", precision, weight_layout,
-                        response_arrays(result, precision, weight_layout), raw)
+                        response_arrays(result, precision, weight_layout, network), raw, network=network)
 
 
 def write_static(problem: Problem, result: Result, directory: str | Path, precision: str = "float32",
                  weight_layout: str = "OIHW", raw: bool = False) -> Path:
     """Write a static bundle: the request arrays and the response arrays together."""
-    arrays = {**request_arrays(problem, precision, weight_layout), **response_arrays(result, precision, weight_layout)}
-    return write_bundle(directory, "static", precision, weight_layout, arrays, raw)
+    arrays = {**request_arrays(problem, precision, weight_layout),
+              **response_arrays(result, precision, weight_layout, problem.network)}
+    return write_bundle(directory, "static", precision, weight_layout, arrays, raw, network=problem.network)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +181,7 @@ def read_manifest(directory: str | Path, kinds: tuple[str, ...] = KINDS) -> dict
     if manifest.get("kind") not in kinds:
         raise BundleError(f"{path}: key 'kind' is {manifest.get('kind')!r}, expected {' or '.join(map(repr, kinds))}")
     if manifest["kind"] in ("request", "static"):
-        _check_model(path, manifest.get("model"))
+        manifest["_network"] = network_of(path, manifest.get("model"))
     _storage_dtype(manifest.get("precision"), f"{path}: key 'precision'")
     try:
         check_layout(manifest.get("weight_layout"))
@@ -182,13 +195,14 @@ def _expect_field(path: Path, manifest: dict, key: str, expected) -> None:
         raise BundleError(f"{path}: key {key!r} is {manifest.get(key)!r}, expected {expected!r}")
 
 
-def _check_model(path: Path, model) -> None:
-    if not isinstance(model, dict):
-        raise BundleError(f"{path}: key 'model' missing or not an object (expected {json.dumps(MODEL)})")
-    for key, expected in MODEL.items():
-        if model.get(key) != expected:
-            raise BundleError(f"{path}: key 'model.{key}' is {model.get(key)!r}: this lab judges the seed "
-                              f"network only (expected {expected!r})")
+def network_of(path: Path, model) -> Network:
+    """The network a bundle's `model` describes (either form of the model spec)."""
+    if model is None:
+        raise BundleError(f"{path}: key 'model' missing (expected a model spec, e.g. {json.dumps(MODEL)})")
+    try:
+        return parse_spec(model, f"{path}: key 'model'")
+    except ModelSpecError as exc:
+        raise BundleError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,56 +306,84 @@ def array_entries(directory: Path, manifest: dict) -> dict[str, ArrayEntry]:
 # reading: expectations
 
 
-def expected_shapes(kind: str, weight_layout: str, input_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """Required arrays of a bundle kind and their shapes, given the input's (N, 1, H, W)."""
+def expected_shapes(kind: str, weight_layout: str, input_shape: tuple[int, ...],
+                    network: Network | None = None) -> dict[str, tuple[int, ...]]:
+    """Required arrays of a bundle kind and their shapes, given the input's (N, C, H, W)."""
+    network = network or seed_network()
     batch, _, height, width = input_shape
-    request = {"input": input_shape, "target": (batch, CHANNELS[-1], height, width)}
+    out = network.output_shape(height, width)
+    from .ops import LOSSES
+
+    request = {"input": input_shape, "target": (batch, *LOSSES[network.loss].target_shape(out))}
     response = {"loss": ()}
-    for name in PARAM_NAMES:
-        shape = param_shape(name)
-        shape = shape_in_layout(shape, weight_layout) if name in WEIGHT_NAMES else shape
-        request[name] = shape
-        response[f"{name}.grad"] = shape
+    for name, shape in network.param_shapes.items():
+        request[name] = shape_in_layout(shape, weight_layout)
+        response[f"{name}.grad"] = shape_in_layout(shape, weight_layout)
     return {"request": request, "response": response, "static": {**request, **response}}[kind]
 
 
+def optional_shapes(network: Network, input_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Arrays a response may add: the output and, for named layers, their outputs and output gradients."""
+    batch, _, height, width = input_shape
+    shapes = network.shapes(height, width)
+    optional = {"output": (batch, *shapes[-1])}
+    for layer in network.layers:
+        if layer.name:
+            optional[f"{layer.name}.output"] = (batch, *shapes[layer.index])
+            optional[f"{layer.name}.output.grad"] = (batch, *shapes[layer.index])
+    return optional
+
+
 def _describe_expected(name: str, shape: tuple[int, ...], weight_layout: str) -> str:
-    in_layout = f" in layout {weight_layout}" if ".weight" in name else ""
+    in_layout = ""
+    if ".weight" in name and len(shape) in (2, 4):
+        in_layout = f" in layout {layout_for(len(shape), weight_layout)}"
     return f"expected shape {shape}{in_layout}"
 
 
-def _input_shape(where: Path, entries: dict[str, ArrayEntry]) -> tuple[int, ...]:
+def _input_shape(where: Path, entries: dict[str, ArrayEntry], network: Network) -> tuple[int, ...]:
+    channels = network.input_channels
     if "input" not in entries:
-        raise BundleError(f"{where} has no 'input' (expected shape (N, 1, H, W))")
+        raise BundleError(f"{where} has no 'input' (expected shape (N, {channels}, H, W))")
     shape = entries["input"].shape
-    if len(shape) != 4 or shape[1] != CHANNELS[0] or min(shape) < 1:
-        raise BundleError(f"{where}: 'input' has shape {shape}, expected (N, {CHANNELS[0]}, H, W) with N, H, W ≥ 1")
+    if len(shape) != 4 or shape[1] != channels or min(shape) < 1:
+        raise BundleError(f"{where}: 'input' has shape {shape}, expected (N, {channels}, H, W) with N, H, W ≥ 1")
+    try:
+        network.check_size(shape[2], shape[3])
+    except ModelSpecError as exc:
+        raise BundleError(f"{where}: 'input' is {shape[2]}×{shape[3]}: {exc}") from None
     return shape
 
 
 def check_entries(where: Path, entries: dict[str, ArrayEntry], kind: str, precision: str,
-                  weight_layout: str, input_shape: tuple[int, ...]) -> None:
-    """Every required array present with its shape and the precision's dtype; the output optional."""
+                  weight_layout: str, input_shape: tuple[int, ...], network: Network | None = None) -> list[str]:
+    """Every required array present with its shape and dtype; returns the optional arrays present (checked too)."""
+    network = network or seed_network()
     dtype = np.dtype(formats.STORAGE_DTYPE[precision])
-    expected = expected_shapes(kind, weight_layout, input_shape)
-    if kind != "request":
-        expected_output = (input_shape[0], CHANNELS[-1], *input_shape[2:])
+    expected = expected_shapes(kind, weight_layout, input_shape, network)
     for name, shape in expected.items():
         if name not in entries:
             raise BundleError(f"{where} has no {name!r} ({_describe_expected(name, shape, weight_layout)})")
-        _check_entry(where, entries[name], shape, dtype, precision, weight_layout)
-    if kind != "request" and "output" in entries:
-        _check_entry(where, entries["output"], expected_output, dtype, precision, weight_layout)
+        wanted = np.dtype(np.int64) if name == "target" and network.loss == "cross_entropy" else dtype
+        _check_entry(where, entries[name], shape, wanted, precision, weight_layout)
+    present = []
+    if kind != "request":
+        for name, shape in optional_shapes(network, input_shape).items():
+            if name in entries:
+                _check_entry(where, entries[name], shape, dtype, precision, weight_layout)
+                present.append(name)
+    return present
 
 
 def _check_entry(where: Path, entry: ArrayEntry, shape: tuple[int, ...], dtype: np.dtype,
                  precision: str, weight_layout: str) -> None:
-    if entry.shape != shape:
+    if entry.shape != tuple(shape):
         raise BundleError(f"{where}: {entry.name!r} has shape {entry.shape}, "
-                          f"{_describe_expected(entry.name, shape, weight_layout)}")
+                          f"{_describe_expected(entry.name, tuple(shape), weight_layout)}")
     if entry.dtype.newbyteorder("=") != dtype:
-        raise BundleError(f"{where}: {entry.name!r} has dtype {entry.dtype}, expected {dtype} "
-                          f"(precision {precision} exchanges {dtype})")
+        what = "cross_entropy targets are int64 class indices" if dtype == np.int64 else \
+            f"precision {precision} exchanges {dtype}"
+        raise BundleError(f"{where}: {entry.name!r} has dtype {entry.dtype}, expected {dtype} ({what})")
 
 
 def available_memory() -> int | None:
@@ -409,34 +451,40 @@ def load_arrays(directory: Path, entries: dict[str, ArrayEntry], names) -> dict[
 
 
 def read_bundle(directory: str | Path, kinds: tuple[str, ...] = KINDS,
-                input_shape: tuple[int, ...] | None = None) -> Bundle:
-    """Read and validate a bundle; `input_shape` (a response's request) fixes the expected shapes."""
+                input_shape: tuple[int, ...] | None = None, network: Network | None = None) -> Bundle:
+    """Read and validate a bundle; a response is read against its request (`input_shape`, `network`)."""
     directory = Path(directory)
     manifest = read_manifest(directory, kinds)
     kind, precision, weight_layout = manifest["kind"], manifest["precision"], manifest["weight_layout"]
+    network = manifest.pop("_network", None) or network or seed_network()
     entries = array_entries(directory, manifest)
     where = next(iter(entries.values())).file if entries and "arrays" not in manifest else directory / MANIFEST
     if kind == "response" and input_shape is None:
         raise BundleError(f"{directory}: a response bundle is read against its request (give input_shape)")
     if kind != "response":
-        input_shape = _input_shape(where, entries)
-    check_entries(where, entries, kind, precision, weight_layout, input_shape)
-    names = list(expected_shapes(kind, weight_layout, input_shape))
-    names += ["output"] if kind != "request" and "output" in entries else []
+        input_shape = _input_shape(where, entries, network)
+    optional = check_entries(where, entries, kind, precision, weight_layout, input_shape, network)
+    names = list(expected_shapes(kind, weight_layout, input_shape, network)) + optional
     check_memory(where, {name: entries[name] for name in names})
     arrays = load_arrays(directory, entries, names)
-    return Bundle(directory, kind, precision, weight_layout, arrays, manifest)
+    buffers = {}
+    for name in network.weight_names:
+        key = f"{name}.grad"
+        if key in arrays and arrays[key].ndim in (2, 4):
+            order = entries[key].order
+            buffers[name] = GradBuffer(arrays[key].ravel(order=order), weight_layout, order)
+    return Bundle(directory, kind, precision, weight_layout, arrays, manifest, network, buffers)
 
 
 def read_response(directory: str | Path, precision: str, weight_layout: str,
-                  input_shape: tuple[int, ...]) -> Bundle:
-    """Read a candidate's response to a request with this precision, layout and input shape."""
+                  input_shape: tuple[int, ...], network: Network | None = None) -> Bundle:
+    """Read a candidate's response to a request with this precision, layout, input shape and network."""
     manifest = read_manifest(directory, ("response",))
     for key, expected in (("precision", precision), ("weight_layout", weight_layout)):
         if manifest[key] != expected:
             raise BundleError(f"{Path(directory) / MANIFEST}: key {key!r} is {manifest[key]!r}, "
                               f"expected {expected!r} as in the request")
-    return read_bundle(directory, ("response",), input_shape)
+    return read_bundle(directory, ("response",), input_shape, network)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,63 +492,42 @@ def read_response(directory: str | Path, precision: str, weight_layout: str,
 
 
 def problem_from_bundle(bundle: Bundle) -> Problem:
-    """The Problem a request or static bundle describes (float32 values, OIHW weights).
+    """The Problem a request or static bundle describes (float32 values, canonical weights).
 
     The reference starts from float32 values (DESIGN.md), so float64 arrays must hold exactly
     float32-representable numbers; anything else is refused rather than silently rounded.
     """
+    network = bundle.network or seed_network()
     arrays = {}
-    for name in ("input", "target", *PARAM_NAMES):
+    for name in ("input", "target", *network.parameter_names):
         value = bundle.arrays[name]
+        if value.dtype == np.int64:
+            arrays[name] = value
+            continue
         as_float32 = value.astype(np.float32)
         if value.dtype != np.float32 and not np.array_equal(as_float32.astype(value.dtype), value):
             raise BundleError(f"{bundle.path}: {name!r} holds float64 values that float32 cannot represent "
                               f"exactly; the lab's reference starts from float32 values (cast them first)")
-        arrays[name] = from_layout(as_float32, bundle.weight_layout) if name in WEIGHT_NAMES else as_float32
-    params = {name: arrays[name] for name in PARAM_NAMES}
+        arrays[name] = from_layout(as_float32, bundle.weight_layout) if name in network.param_shapes else as_float32
+    params = {name: arrays[name] for name in network.parameter_names}
     seed = bundle.manifest.get("seed", -1)
-    return Problem(arrays["input"], arrays["target"], params, seed if isinstance(seed, int) else -1, str(bundle.path))
+    return Problem(arrays["input"], arrays["target"], params, seed if isinstance(seed, int) else -1, str(bundle.path),
+                   network)
 
 
 def result_from_bundle(bundle: Bundle) -> Result:
-    """The response part of a bundle as a Result, gradients converted to OIHW by the declared layout."""
-    grads = {}
-    for name in PARAM_NAMES:
-        grad = bundle.arrays[f"{name}.grad"]
-        grads[name] = from_layout(grad, bundle.weight_layout) if name in WEIGHT_NAMES else grad
+    """The response part of a bundle as a Result, gradients converted to canonical by the declared layout;
+    the weight gradients as written kept for the layout doctor, intermediates for localisation."""
+    network = bundle.network or seed_network()
+    grads = {name: from_layout(bundle.arrays[f"{name}.grad"], bundle.weight_layout)
+             for name in network.parameter_names}
+    intermediates = {name: value for name, value in bundle.arrays.items()
+                     if name.endswith(".output") or name.endswith(".output.grad")}
     return Result(loss=float(bundle.arrays["loss"]), grads=grads, output=bundle.arrays.get("output"),
                   dtype=str(bundle.arrays["loss"].dtype),
-                  meta={"bundle": str(bundle.path), "weight_layout": bundle.weight_layout})
+                  meta={"bundle": str(bundle.path), "weight_layout": bundle.weight_layout},
+                  intermediates=intermediates, buffers=dict(bundle.buffers))
 
 
-@dataclass
-class BundleCandidate(Candidate):
-    """A static bundle as a candidate: `problem` is the bundle's own problem, compute returns its response."""
-
-    problem: Problem | None = None
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> "BundleCandidate":
-        """Read and validate a static bundle directory (every array is loaded and checked here)."""
-        bundle = read_bundle(path, ("static",))
-        problem = problem_from_bundle(bundle)
-        response = result_from_bundle(bundle)
-        name = bundle.manifest.get("name") if isinstance(bundle.manifest.get("name"), str) else Path(path).name
-        return cls(name=name, description=f"static bundle {path}", run=_stored_response(bundle, problem, response),
-                   claimed_precision=bundle.precision, weight_layout=bundle.weight_layout, family="bundle",
-                   has_float64=False, meta={"bundle": str(path)}, problem=problem)
-
-
-def _stored_response(bundle: Bundle, problem: Problem, response: Result):
-    def run(asked: Problem, precision: str, device: torch.device) -> Result:
-        if asked is not problem and not (np.array_equal(asked.input, problem.input)
-                                         and all(np.array_equal(asked.params[n], problem.params[n]) for n in PARAM_NAMES)):
-            raise CandidateError(f"static bundle {bundle.path} holds results for its own problem only "
-                                 f"(input {problem.input.shape}); use candidate.problem")
-        return Result(response.loss, dict(response.grads), response.output, response.dtype, dict(response.meta))
-
-    return run
-
-
-__all__ = ["Bundle", "BundleCandidate", "BundleError", "FORMAT", "MODEL", "problem_from_bundle", "read_bundle",
-           "read_response", "result_from_bundle", "write_bundle", "write_request", "write_response", "write_static"]
+__all__ = ["Bundle", "BundleError", "FORMAT", "MODEL", "problem_from_bundle", "read_bundle", "read_response",
+           "result_from_bundle", "write_bundle", "write_request", "write_response", "write_static"]

@@ -25,17 +25,22 @@ from . import errmodel
 from .bundle import write_bundle, write_request
 from .errors import LabInputError
 from .layout import check_layout, to_layout
-from .problem import PARAM_NAMES, WEIGHT_NAMES, Problem, Trace, make_problem
+from .compute import Trace
+from .model import ModelSpecError, load_model
+from .problem import Problem, make_problem
 from .reference import reference
+from . import options
 
 EXPORT_PRECISIONS = ("float32", "float64")
 CHECK = "for every array X with X.bound: all(|X_yours - X| <= X.bound), elementwise, X in weight_layout"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size", type=int, default=1024, help="image height and width (default 1024, the seed scale)")
-    parser.add_argument("--batch", type=int, default=2, help="images per batch (default 2)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic micrographs and weights (default 0)")
+    parser.add_argument("--size", default=None, help="image size N or HxW (default 1024, the seed scale, or the nearest "
+                                                     "the network takes)")
+    parser.add_argument("--batch", default="2", help="images per batch (default 2)")
+    parser.add_argument("--seed", default="0", help="seed of the synthetic micrographs and weights (default 0)")
+    parser.add_argument("--model", default=None, help="model spec (JSON/YAML file, or 'seed', the default)")
     parser.add_argument("--layout", default="OIHW", help="weight layout of the bundle: a permutation of OIHW (default OIHW)")
     parser.add_argument("--raw", action="store_true", help="raw column-major .bin files instead of arrays.npz")
     parser.add_argument("--precision", default="float32", choices=EXPORT_PRECISIONS,
@@ -48,7 +53,14 @@ def main(args: argparse.Namespace) -> int:
         check_layout(args.layout)
     except ValueError as exc:
         raise LabInputError(f"--layout: {exc}") from None
-    out = export(make_problem(args.size, args.batch, args.seed), args.out, args.precision, args.layout, args.raw)
+    try:
+        network = load_model(args.model)
+    except ModelSpecError as exc:
+        raise LabInputError(f"--model: {exc}") from None
+    size = options.size(args.size) or network.default_size(1024)
+    problem = make_problem(size, options.positive(args.batch, "--batch"), options.nonnegative(args.seed, "--seed"),
+                           network=network)
+    out = export(problem, args.out, args.precision, args.layout, args.raw)
     print(f"request bundle:   {out / 'request'}")
     print(f"reference+bounds: {out / 'reference'}  (check: {CHECK})")
     return 0
@@ -69,7 +81,7 @@ def export(problem: Problem, out: str | Path, precision: str = "float32", weight
         write_request(problem, staging / "request", precision, weight_layout, raw)
         trace = reference(problem)
         write_bundle(staging / "reference", "reference", "float64", weight_layout,
-                     reference_arrays(problem, trace, precision, weight_layout), raw,
+                     reference_arrays(problem, trace, precision, weight_layout), raw, network=problem.network,
                      extra={"bound_precision": precision, "problem": problem.describe(), "check": CHECK,
                             "bound_source": "precision_lab.errmodel (DESIGN.md, error-accumulation model) at "
                                             f"{precision} plus its float64 bound for the reference's own rounding"})
@@ -89,25 +101,22 @@ def _refuse_existing(out: Path) -> None:
 
 
 def quantity_bounds(trace: Trace, precision: str) -> dict[str, np.ndarray]:
-    """Per-element bounds at `precision` (loss and output too when the error model gives them)."""
-    full = getattr(errmodel, "error_bounds", None)
-    if full is not None:
-        return {name: bound.bound for name, bound in full(trace, precision).items()}
-    return errmodel.gradient_bounds(trace, precision)
+    """Per-element bounds at `precision`: loss, output and every parameter gradient."""
+    return {name: bound.bound for name, bound in errmodel.error_bounds(trace, precision).items()}
 
 
 def reference_arrays(problem: Problem, trace: Trace, precision: str, weight_layout: str) -> dict[str, np.ndarray]:
     """Reference results and their bounds, named and laid out as a response would be."""
     claimed, own = quantity_bounds(trace, precision), quantity_bounds(trace, "float64")
     values = {"loss": np.asarray(trace.loss, np.float64), "output": np.asarray(trace.output, np.float64)}
-    values.update({f"{name}.grad": np.asarray(trace.grads[name], np.float64) for name in PARAM_NAMES})
+    values.update({f"{name}.grad": np.asarray(trace.grads[name], np.float64) for name in problem.network.parameter_names})
     arrays = {}
     for name, value in values.items():
         arrays[name] = value
         quantity = name.removesuffix(".grad")
         if quantity in claimed:
             arrays[f"{name}.bound"] = np.asarray(claimed[quantity] + own[quantity], np.float64).reshape(value.shape)
-    for name in WEIGHT_NAMES:
+    for name in problem.network.weight_names:
         for key in (f"{name}.grad", f"{name}.grad.bound"):
             arrays[key] = to_layout(arrays[key], weight_layout)
     return arrays

@@ -138,6 +138,8 @@ def validate(values: dict, sources: dict, declared_by_notebook: dict[str, dict[s
             value = _check_type(value, item, where)
         _check_meaning(name, value, where)
         normalised[name] = value
+    defaults = {name: items[0].default for name, items in known.items()}
+    check_together({**defaults, **normalised}, sources)
     return normalised
 
 
@@ -227,13 +229,14 @@ _KIND_WORDS = {"number": "a number", "integer": "an integer", "string": "a strin
                "integers": "a list of integers", "strings": "a list of strings"}
 
 
-def _positive_size(value: Any, where: str) -> None:
-    from .problem import KERNEL_SIZE
+#: the smallest image side a notebook runs at (a 3×3 kernel, a probe, a pool need a few pixels)
+MIN_NOTEBOOK_SIZE = 8
 
-    # a 3×3 kernel with padding 1 needs a few pixels; make_problem refuses sizes below 8
-    if value < 8:
-        raise LabInputError(f"{where}: image size {value} is too small (expected an integer ≥ 8, e.g. 64 or 1024; "
-                            f"kernels are {KERNEL_SIZE}×{KERNEL_SIZE})")
+
+def _positive_size(value: Any, where: str) -> None:
+    if value < MIN_NOTEBOOK_SIZE:
+        raise LabInputError(f"{where}: image size {value} is too small (expected an integer ≥ {MIN_NOTEBOOK_SIZE}, "
+                            f"e.g. 64 or 1024)")
 
 
 def _sizes(value: Any, where: str) -> None:
@@ -272,6 +275,50 @@ def _candidates(value: Any, where: str) -> None:
             raise LabInputError(f"{where}[{i}]: {exc}") from None
 
 
+def _model(value: Any, where: str) -> None:
+    from .model import ModelSpecError
+    from .paths import ROOT
+    from .model import load_model
+
+    try:
+        load_model(value, base_dir=ROOT)
+    except ModelSpecError as exc:
+        raise LabInputError(f"{where}: {exc}") from None
+
+
+def check_together(values: dict, sources: dict) -> None:
+    """Checks across parameters: every size fits the model (its strides and pools), and the largest
+    problem fits in the memory that is free (precision_lab.resources), before any notebook starts."""
+    from .device import resolve_device
+    from .model import ModelSpecError, load_model
+    from .paths import ROOT
+    from .resources import ResourceError, check_fits
+
+    model_where = sources.get("model", "model")
+    network = load_model(values.get("model"), base_dir=ROOT)
+    sized = [(name, size) for name in ("size", "trajectory_size") if isinstance(values.get(name), int)
+             for size in [values[name]]]
+    sized += [(f"sizes[{i}]", size) for i, size in enumerate(values.get("sizes") or []) if isinstance(size, int)]
+    for name, size in sized:
+        where = sources.get(name.split("[")[0], name)
+        try:
+            network.check_size(size, size)
+        except ModelSpecError as exc:
+            raise LabInputError(f"{where}: {size}×{size} does not fit the model ({model_where}): {exc}") from None
+    if not sized:
+        return
+    batch = values.get("batch", 2) if isinstance(values.get("batch", 2), int) else 2
+    try:
+        device = resolve_device(values.get("device", "auto") if isinstance(values.get("device"), str) else "auto")
+    except ValueError:
+        return
+    name, largest = max(sized, key=lambda item: item[1])
+    try:
+        check_fits(network, batch, largest, largest, device, what="a notebook's problem")
+    except ResourceError as exc:
+        raise LabInputError(f"{sources.get(name.split('[')[0], name)}: {exc}") from None
+
+
 def _image(value: Any, where: str) -> None:
     from .problem import ProblemError, load_micrograph
 
@@ -286,4 +333,4 @@ _MEANING = {"size": ("integer", _positive_size), "sizes": ("integers", _sizes),
             "batch": ("integer", _positive), "steps": ("integer", _non_negative),
             "seed": ("integer", _non_negative), "lr": ("number", _positive), "adam_lr": ("number", _positive),
             "device": ("string", _device), "candidates": ("strings", _candidates), "image": ("string", _image),
-            "trajectory_size": ("integer", _positive_size)}
+            "trajectory_size": ("integer", _positive_size), "model": ("string", _model)}

@@ -8,7 +8,6 @@ import numpy as np
 import pandas as pd
 
 from .formats import unit_roundoff
-from .problem import PARAM_NAMES, WEIGHT_NAMES
 
 VERDICT_COLOURS = {"roundoff": "#2b8a3e", "reduced-precision": "#e67700", "layout": "#1971c2", "defect": "#c92a2a"}
 
@@ -88,10 +87,11 @@ def recompilation_figure(table: pd.DataFrame):
 
 def sweep_figure(table: pd.DataFrame):
     """03: err/(u·S) against n per weight gradient, with √n and log₂n lines; err/|g| below."""
-    fig, axes = plt.subplots(2, len(WEIGHT_NAMES), figsize=(12, 6.5), sharex=True)
+    weight_names = [p for p in dict.fromkeys(table.parameter) if p.endswith(".weight")]
+    fig, axes = plt.subplots(2, len(weight_names), figsize=(4 * len(weight_names), 6.5), sharex=True, squeeze=False)
     colours = _candidate_colours(table.candidate)
     n = np.array(sorted(table.n.unique()), float)
-    for col, name in enumerate(WEIGHT_NAMES):
+    for col, name in enumerate(weight_names):
         rows = table[table.parameter == name]
         top, bottom = axes[0, col], axes[1, col]
         for candidate, group in rows.groupby("candidate", sort=False):
@@ -150,4 +150,4 @@ def verdict_table_style(frame: pd.DataFrame):
 
 
 __all__ = ["masking_figure", "trajectory_figure", "recompilation_figure", "sweep_figure", "bound_ratio_figure",
-           "verdict_table_style", "PARAM_NAMES"]
+           "verdict_table_style"]

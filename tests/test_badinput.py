@@ -30,7 +30,8 @@ needs_diagnose = pytest.mark.xfail(not DIAGNOSE_WRITTEN, strict=False,
 def inputs(tmp_path_factory):
     """A folder of bad inputs, plus one good static bundle to break in different ways."""
     from precision_lab.bundle import write_static
-    from precision_lab.problem import forward_backward, make_problem
+    from precision_lab.problem import make_problem
+    from precision_lab.compute import forward_backward
 
     folder = tmp_path_factory.mktemp("bad")
     problem = make_problem(size=16, batch=1, seed=0)

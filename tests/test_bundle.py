@@ -9,11 +9,17 @@ import numpy as np
 import pytest
 
 from precision_lab import bundle
-from precision_lab.bundle import BundleCandidate, BundleError, read_bundle, write_request, write_static
+from precision_lab.candidates.static import BundleCandidate
+from precision_lab.bundle import BundleError, read_bundle, write_request, write_static
 from precision_lab.candidates import CandidateError, get_builtin, resolve
 from precision_lab.errors import LabInputError
 from precision_lab.layout import to_layout
-from precision_lab.problem import PARAM_NAMES, WEIGHT_NAMES, forward_backward, make_problem
+from precision_lab.problem import make_problem
+from precision_lab.compute import forward_backward
+from precision_lab.model import seed_network
+
+SEED = seed_network()
+PARAM_NAMES, WEIGHT_NAMES, BIAS_NAMES = SEED.parameter_names, SEED.weight_names, SEED.bias_names
 
 SIZE = 16  # small: every test here reads and writes whole bundles
 
@@ -253,8 +259,9 @@ def test_raw_and_npz_together_are_ambiguous(tmp_path, problem, result):
     (lambda m: m.update(kind="response"), r"key 'kind' is 'response', expected 'static'"),
     (lambda m: m.update(precision="float8"), r"key 'precision': unknown precision 'float8': expected one of float64, float32"),
     (lambda m: m.update(weight_layout="OIHWX"), r"key 'weight_layout': unknown weight layout 'OIHWX'"),
-    (lambda m: m["model"].update(channels=[1, 32, 32, 1]), r"key 'model.channels' is \[1, 32, 32, 1\]: this lab judges the seed network only"),
-    (lambda m: m.pop("model"), r"key 'model' missing or not an object"),
+    (lambda m: m["model"].update(channels=[1, 32, 32, 1]), r"'conv1.weight' has shape \(16, 1, 3, 3\), expected shape \(32, 1, 3, 3\)"),
+    (lambda m: m["model"].update(activation="swish"), r"key 'model': key 'activation' is 'swish': expected one of relu"),
+    (lambda m: m.pop("model"), r"key 'model' missing"),
 ])
 def test_manifest_fields_are_checked(tmp_path, problem, result, change, pattern):
     directory = _static(tmp_path, problem, result)

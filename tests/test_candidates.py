@@ -2,7 +2,11 @@ import numpy as np
 import pytest
 
 from precision_lab.candidates import CandidateError, registry, resolve
-from precision_lab.problem import BIAS_NAMES, WEIGHT_NAMES, make_problem
+from precision_lab.problem import make_problem
+from precision_lab.model import seed_network
+
+SEED = seed_network()
+PARAM_NAMES, WEIGHT_NAMES, BIAS_NAMES = SEED.parameter_names, SEED.weight_names, SEED.bias_names
 
 
 def test_resolve_names_and_prefix():

@@ -14,7 +14,12 @@ from precision_lab import cli
 from precision_lab.candidates import CandidateError, resolve
 from precision_lab.candidates.command import CommandCandidateError, load_command_candidate
 from precision_lab.errors import LabInputError
-from precision_lab.problem import PARAM_NAMES, forward_backward, make_problem
+from precision_lab.problem import make_problem
+from precision_lab.compute import forward_backward
+from precision_lab.model import seed_network
+
+SEED = seed_network()
+PARAM_NAMES, WEIGHT_NAMES, BIAS_NAMES = SEED.parameter_names, SEED.weight_names, SEED.bias_names
 
 SIZE = 12  # the fake program computes nothing heavy; the lab's side stays small too
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "python" / "candidate.py"

@@ -12,7 +12,7 @@ from precision_lab.conv import (ALGORITHMS, DirectConv, NATIVE_BACKENDS, Winogra
                                 record_kernels, select)
 from precision_lab.conv.backends import current_flags, native_flags
 from precision_lab.conv.winograd_matrices import winograd_matrices
-from precision_lab.problem import NativeConv
+from precision_lab.conv import NativeConv
 
 U32 = 2.0 ** -24  # float32 unit roundoff
 U_BF16 = 2.0 ** -8  # bfloat16 unit roundoff (DESIGN.md, "Error-accumulation model")

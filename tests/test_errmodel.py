@@ -8,9 +8,14 @@ import torch
 
 from precision_lab import errmodel, formats
 from precision_lab.candidates.zoo import sum_blocked, sum_kahan, sum_pairwise, sum_sequential
-from precision_lab.problem import PARAM_NAMES, Problem, forward_backward, make_problem
-from precision_lab.errmodel import attach_parameters
+from precision_lab.problem import Problem, make_problem
+from precision_lab.compute import forward_backward
+from precision_lab.ops import Kernels
 from precision_lab.reference import reference
+from precision_lab.model import seed_network
+
+SEED = seed_network()
+PARAM_NAMES, WEIGHT_NAMES, BIAS_NAMES = SEED.parameter_names, SEED.weight_names, SEED.bias_names
 
 U32 = formats.UNIT_ROUNDOFF["float32"]
 
@@ -37,7 +42,9 @@ def test_factors_match_their_formulas():
     assert errmodel.failure_probability(n, 7.0) < 1e-4 < errmodel.failure_probability(n, 6.0)
     assert errmodel.pairwise_gamma(n, U32) == pytest.approx(errmodel.gamma(21, U32))
     assert errmodel.blocked_gamma(n, U32, 256) == pytest.approx(errmodel.gamma(256 + 8192 - 2, U32))
-    assert errmodel.dependency_count(0) == 1 and errmodel.dependency_count(2) == 81
+    assert errmodel.dependency_count(0, 10 ** 6) == 1 and errmodel.dependency_count(2, 10 ** 6) == 81
+    # never more than the terms that can depend on each other (one image), and all of them after a flatten
+    assert errmodel.dependency_count(5, 30) == 30 and errmodel.dependency_count(None, 64) == 64
 
 
 @pytest.mark.parametrize("data", ["cancelling", "positive"])
@@ -73,7 +80,7 @@ def test_summation_bounds_hold_against_exact_sums(data):
 @pytest.fixture(scope="module")
 def problem_and_reference():
     problem = make_problem(48, 2, 3)
-    return problem, attach_parameters(reference(problem), problem.params)
+    return problem, reference(problem)
 
 
 def _errors(result, trace):
@@ -90,7 +97,7 @@ def test_network_bounds_hold_for_float32_and_report_tightness(problem_and_refere
     print("\nfloat32 native, observed ÷ bound:", {k: f"{v:.2e}" for k, v in ratios.items()})
     assert max(ratios.values()) <= 1.0
     assert min(ratios.values()) > 1e-7  # a bound a million times too loose would be useless
-    assert set(bounds) == set(errmodel.QUANTITIES)
+    assert set(bounds) == set(errmodel.quantities(trace.network))
     assert errmodel.gradient_bounds(trace, "float32").keys() == set(PARAM_NAMES)
 
 
@@ -98,7 +105,7 @@ def test_network_bounds_hold_for_float32_and_report_tightness(problem_and_refere
 def test_reduced_format_bounds_hold_for_emulated_formats(problem_and_reference, fmt):
     problem, trace = problem_and_reference
     bounds = errmodel.error_bounds(trace, fmt)
-    result = forward_backward(problem, "float32", round_inputs=lambda a: formats.round_to(a, fmt))
+    result = forward_backward(problem, "float32", kernels=Kernels(round_operands=lambda a: formats.round_to(a, fmt)))
     errors = _errors(result, trace)
     ratios = {name: float(np.max(errors[name] / bounds[name].bound)) for name in errors}
     assert max(ratios.values()) <= 1.0, ratios
@@ -118,7 +125,8 @@ def test_relu_flips_counted_when_errors_reach_preactivations(problem_and_referen
     _, trace = problem_and_reference
     f32, bf16 = errmodel.error_bounds(trace, "float32"), errmodel.error_bounds(trace, "bfloat16")
     assert bf16["conv1.weight"].relu_flips > f32["conv1.weight"].relu_flips
-    assert bf16["conv3.weight"].relu_flips == 0  # conv3's gradient passes no ReLU
+    assert bf16["conv3.bias"].relu_flips == 0  # conv3's bias gradient passes no ReLU, forward or backward
+    assert bf16["conv3.weight"].relu_flips > 0  # its weight gradient reads act2, whose errors may flip ReLUs
 
 
 def test_dead_channel_gets_a_floor_not_a_zero_division():
@@ -130,7 +138,7 @@ def test_dead_channel_gets_a_floor_not_a_zero_division():
     bias[0] = -1.0  # … below zero: the channel is dead, its gradients exactly zero
     params["conv1.weight"], params["conv1.bias"] = weight, bias
     dead = Problem(problem.input, problem.target, params, problem.seed)
-    trace = attach_parameters(reference(dead), dead.params)
+    trace = reference(dead)
     bounds = errmodel.error_bounds(trace, "float32")
     s = bounds["conv2.weight"].abs_sum
     assert np.all(s[:, 0] == 0) and np.all(bounds["conv2.weight"].bound[:, 0] > 0)
@@ -139,25 +147,23 @@ def test_dead_channel_gets_a_floor_not_a_zero_division():
     assert np.max(bounds["conv2.weight"].bound[:, 0]) < np.min(bounds["conv2.weight"].bound[:, 1:])
 
 
-def test_bounds_follow_the_trace_device_and_need_its_parameters(problem_and_reference):
+def test_bounds_follow_the_trace_device_and_refuse_unknown_precisions(problem_and_reference):
     problem, trace = problem_and_reference
-    bare = forward_backward(problem, "float64", keep_trace=True)
-    with pytest.raises(ValueError, match="carries no parameters"):
-        errmodel.error_bounds(bare)
     with pytest.raises(ValueError, match="unknown precision"):
         errmodel.error_bounds(trace, "float8")
-    assert trace.activations[0].device == torch.device("cpu")
+    assert trace.device == torch.device("cpu") and trace.params["conv1.weight"].dtype == torch.float32
 
 
 def test_bounds_leave_the_trace_untouched():
     # the reference keeps float32 intermediates, which the bounds read without copying: no in-place op may reach them
     problem = make_problem(24, 2, 3)
-    trace = attach_parameters(reference(problem), problem.params)
-    before = [t.clone() for kind in ("activations", "preactivations", "output_grads") for t in getattr(trace, kind)]
+    trace = reference(problem)
+    stored = [t for t in trace.values + trace.grads_at + [trace.input] if t is not None]
+    before = [t.clone() for t in stored]
+    assert len(stored) >= 5  # conv outputs, ReLU-output gradients, the output, its gradient, the input
     for precision in ("float32", "bfloat16", "float64"):
         errmodel.error_bounds(trace, precision)
-    after = [t for kind in ("activations", "preactivations", "output_grads") for t in getattr(trace, kind)]
-    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(before, after))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(before, stored))
 
 
 def test_float32_stored_intermediates_give_the_bounds_of_a_float64_trace():
@@ -165,39 +171,47 @@ def test_float32_stored_intermediates_give_the_bounds_of_a_float64_trace():
     from precision_lab.conv import DirectConv
 
     problem = make_problem(40, 2, 5)
-    stored32 = errmodel.error_bounds(attach_parameters(reference(problem), problem.params), "float32")
-    plain = attach_parameters(forward_backward(problem, "float64", conv=DirectConv(), keep_trace=True), problem.params)
+    stored32 = errmodel.error_bounds(reference(problem), "float32")
+    plain = forward_backward(problem, "float64", kernels=Kernels(conv=DirectConv()), keep_trace=True)
     full64 = errmodel.error_bounds(plain, "float32")
-    for name in errmodel.QUANTITIES:
+    for name in errmodel.quantities(problem.network):
         ratio = stored32[name].bound / full64[name].bound
         assert np.all(ratio >= 1 - 2 ** -22) and np.all(ratio <= 1 + 2 ** -20), (name, ratio.min(), ratio.max())
         assert stored32[name].relu_flips >= full64[name].relu_flips
 
 
-def test_point_by_point_convolutions_match_the_full_ones():
-    from precision_lab.conv import DirectConv
+@pytest.mark.parametrize("attrs", [
+    {"kernel": (3, 3), "stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1},
+    {"kernel": (3, 2), "stride": (2, 1), "padding": (1, 0), "dilation": (1, 2), "groups": 2},
+], ids=["seed-conv", "strided-dilated-grouped"])
+def test_point_by_point_convolutions_match_the_full_ones(attrs):
+    from precision_lab.ops.layers import _sparse_input_grad, _sparse_weight_grad
 
     generator = torch.Generator().manual_seed(7)
-    ops, w = DirectConv(), torch.rand(5, 4, 3, 3, generator=generator, dtype=torch.float64)
-    sparse = torch.rand(2, 5, 9, 11, generator=generator, dtype=torch.float64)
+    kernels = Kernels()
+    w_shape = (6, 4 // attrs["groups"], *attrs["kernel"])
+    w = torch.rand(w_shape, generator=generator, dtype=torch.float64)
+    a = torch.rand(2, 4, 10, 11, generator=generator, dtype=torch.float64)
+    out_shape = kernels.conv_forward(a, w, attrs).shape
+    sparse = torch.rand(out_shape, generator=generator, dtype=torch.float64)
     sparse *= torch.rand(sparse.shape, generator=generator, dtype=torch.float64) < 0.1
-    sparse[0, 0, 0, 0] = sparse[1, 4, 8, 10] = 1.5  # corners: taps reach outside the image
-    a = torch.rand(2, 4, 9, 11, generator=generator, dtype=torch.float64)
-    assert torch.allclose(errmodel._sparse_weight_grad(a, sparse), ops.weight_grad(a, sparse), rtol=1e-12, atol=0)
-    out = torch.ones(2, 4, 9, 11, dtype=torch.float64)
-    errmodel._add_sparse_input_grad(out, sparse, w)
-    assert torch.allclose(out - 1, ops.input_grad(sparse, w), rtol=1e-12, atol=1e-15)
-    dense = torch.rand(2, 5, 9, 11, generator=generator, dtype=torch.float64)
-    points = tuple(torch.tensor(v) for v in ([0, 1, 1, 0], [0, 3, 2, 1], [0, 8, 4, 8], [0, 10, 5, 0]))
-    assert torch.allclose(errmodel._input_grad_at(dense, w, points), ops.input_grad(dense, w)[points], rtol=1e-12, atol=0)
+    sparse[0, 0, 0, 0] = sparse[1, -1, -1, -1] = 1.5  # corners: taps reach outside the image
+    points = sparse.nonzero(as_tuple=True)
+    full = kernels.conv_weight_grad(a, sparse, attrs, w_shape)
+    assert torch.allclose(_sparse_weight_grad(a, sparse, points, attrs, w_shape), full, rtol=1e-12, atol=0)
+    full_input = kernels.conv_input_grad(sparse, w, attrs, tuple(a.shape))
+    assert torch.allclose(_sparse_input_grad(sparse, points, w, attrs, tuple(a.shape)), full_input, rtol=1e-12,
+                          atol=1e-15)
 
 
 @pytest.mark.parametrize("precision", ["float32", "tf32"])
 def test_sparse_flip_path_gives_the_dense_bounds(problem_and_reference, precision, monkeypatch):
     problem, _ = problem_and_reference
-    sparse = errmodel.error_bounds(attach_parameters(reference(problem), problem.params), precision)
+    sparse = errmodel.error_bounds(reference(problem), precision)
     assert sparse["conv1.weight"].relu_flips > 0  # the sparse path was taken and had flips to handle
-    monkeypatch.setattr(errmodel, "SPARSE_LIMIT", -1)  # every field through the full convolutions
-    dense = errmodel.error_bounds(attach_parameters(reference(problem), problem.params), precision)
-    for name in errmodel.QUANTITIES:  # the same sums in another order: float32 evaluation differences only
+    import precision_lab.ops as ops
+
+    monkeypatch.setattr(ops, "SPARSE_LIMIT", -1)  # every field through the full convolutions
+    dense = errmodel.error_bounds(reference(problem), precision)
+    for name in errmodel.quantities(problem.network):  # the same sums in another order: float32 evaluation differences only
         np.testing.assert_allclose(sparse[name].bound, dense[name].bound, rtol=2e-6, err_msg=name)

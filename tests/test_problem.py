@@ -5,8 +5,12 @@ import numpy as np
 import pytest
 
 from precision_lab import layout
-from precision_lab.problem import (PARAM_NAMES, ProblemError, autograd_forward_backward, forward_backward,
-                                   load_micrograph, make_problem, param_shape)
+from precision_lab.problem import ProblemError, load_micrograph, make_problem
+from precision_lab.compute import autograd_forward_backward, forward_backward
+from precision_lab.model import seed_network
+
+SEED = seed_network()
+PARAM_NAMES, WEIGHT_NAMES, BIAS_NAMES = SEED.parameter_names, SEED.weight_names, SEED.bias_names
 
 
 def test_problem_is_reproducible_from_its_seed():
@@ -22,8 +26,8 @@ def test_problem_is_reproducible_from_its_seed():
 def test_weights_follow_pytorch_default_init_bounds():
     params = make_problem(16, 1, seed=0).params
     for name in PARAM_NAMES:
-        assert params[name].shape == param_shape(name)
-        fan_in = int(np.prod(param_shape(name.replace("bias", "weight"))[1:]))
+        assert params[name].shape == SEED.param_shapes[name]
+        fan_in = int(np.prod(SEED.param_shapes[name.replace("bias", "weight")][1:]))
         assert np.abs(params[name]).max() <= 1 / np.sqrt(fan_in)
 
 

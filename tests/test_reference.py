@@ -5,9 +5,14 @@ import numpy as np
 import pytest
 import torch
 
-from precision_lab.problem import PARAM_NAMES, make_problem
+from precision_lab.problem import make_problem
+from precision_lab.ops import Kernels
 from precision_lab.reference import (STOCK_AGREEMENT, agreement, intermediate_agreement, reference,
-                                    stock_reference)
+                                    relative_difference, stock_reference)
+from precision_lab.model import seed_network
+
+SEED = seed_network()
+PARAM_NAMES, WEIGHT_NAMES, BIAS_NAMES = SEED.parameter_names, SEED.weight_names, SEED.bias_names
 
 
 @pytest.fixture(scope="module", params=[(64, 2), (37, 1)], ids=["64x64-batch2", "37x37-batch1"])
@@ -30,27 +35,37 @@ def test_intermediates_agree_with_stock_to_their_storage(traces):
     for name, (difference, allowed) in intermediate_agreement(fast, stock).items():
         assert difference <= allowed, f"{name} differs from stock float64 by {difference:.2e} (allowed {allowed:.2e})"
     # float32 storage is a rounding, not a float32 computation: it differs from stock, but only that much
-    assert 0 < intermediate_agreement(fast, stock)["output_grads[1]"][0] <= 2.0 ** -24 + STOCK_AGREEMENT
+    from precision_lab.compute import forward_backward
+
+    problem = traces[0]
+    exact = forward_backward(problem, "float64", intermediates=True).intermediates["conv2.output.grad"]
+    stored = fast.grad_at(problem.network.index_of("conv2"))
+    assert stored.dtype == torch.float32
+    difference = relative_difference(stored.double(), torch.from_numpy(exact))
+    assert 0 < difference <= 2.0 ** -24 + STOCK_AGREEMENT
 
 
 def test_reference_is_a_float64_trace(traces):
     problem, fast, _ = traces
     assert fast.meta["role"] == "reference" and fast.dtype == "float64"
     assert set(fast.grads) == set(PARAM_NAMES) and all(g.dtype == np.float64 for g in fast.grads.values())
-    assert len(fast.activations) == 3 and len(fast.preactivations) == 3 and len(fast.output_grads) == 3
+    layers = len(problem.network.layers)
+    assert len(fast.values) == len(fast.grads_at) == layers
     # float64 where the verdict rebuilds the problem (input, output, its gradient); float32 roundings elsewhere
-    exact = (fast.activations[0], fast.preactivations[-1], fast.output_grads[-1])
-    rounded = (*fast.activations[1:], *fast.preactivations[:-1], *fast.output_grads[:-1])
+    exact = (fast.input, fast.value(layers - 1), fast.grad_at(layers - 1))
+    rounded = [fast.value(i) for i in range(layers - 1)] + [fast.grad_at(i) for i in range(layers - 1)]
     assert all(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in exact)
     assert all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in rounded)
+    # a ReLU's output and the gradient at its input are recomputed, not stored (memory at 1024²)
+    assert fast.values[1] is None and fast.grads_at[0] is None
     # the inputs are cast exactly from the float32 values the candidate received
-    assert torch.equal(fast.activations[0], torch.from_numpy(problem.input).double())
+    assert torch.equal(fast.input, torch.from_numpy(problem.input).double())
 
 
 def test_reference_differs_from_float32():
     # a reference that silently ran in float32 would match float32 results bit for bit
     problem = make_problem(size=32, batch=1, seed=2)
-    from precision_lab.problem import forward_backward
+    from precision_lab.compute import forward_backward
     single = forward_backward(problem, "float32")
     fast = reference(problem)
     diff = max(float(np.abs(fast.grads[n] - single.grads[n].astype(np.float64)).max()) for n in PARAM_NAMES)
@@ -72,7 +87,7 @@ def test_bench_prints_the_reference_ratio_and_the_algorithms_table(capsys):
 def test_bench_rejects_bad_sizes_in_one_line(capsys):
     from precision_lab.cli import main
 
-    assert main(["bench", "--size", "4"]) == 2
+    assert main(["bench", "--size", "61x"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--size" in err
 
@@ -98,11 +113,12 @@ def test_bench_diagnosis_cost_times_the_numpy_example_and_its_memory():
 def test_in_place_reference_is_bit_identical_to_the_layer_by_layer_pass():
     # the in-place version saves memory only: same operations, same order, same bits
     from precision_lab.conv import DirectConv
-    from precision_lab.problem import forward_backward
+    from precision_lab.compute import forward_backward
 
     problem = make_problem(size=40, batch=2, seed=4)
-    fast, plain = reference(problem), forward_backward(problem, "float64", conv=DirectConv(), keep_trace=True)
+    fast, plain = reference(problem), forward_backward(problem, "float64", kernels=Kernels(conv=DirectConv()), keep_trace=True)
     assert fast.loss == plain.loss and np.array_equal(fast.output, plain.output)
     assert all(np.array_equal(fast.grads[n], plain.grads[n]) for n in PARAM_NAMES)
-    for kind in ("activations", "preactivations", "output_grads"):  # kept as float64, or as its float32 rounding
-        assert all(torch.equal(a, b.to(a.dtype)) for a, b in zip(getattr(fast, kind), getattr(plain, kind))), kind
+    for i in range(len(problem.network.layers)):  # kept as float64, or as its float32 rounding
+        assert torch.equal(fast.value(i), plain.value(i).to(fast.value(i).dtype)), i
+        assert torch.equal(fast.grad_at(i), plain.grad_at(i).to(fast.grad_at(i).dtype)), i

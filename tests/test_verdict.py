@@ -7,15 +7,19 @@ import pytest
 from precision_lab import errmodel, verdict
 from precision_lab.candidates import registry
 from precision_lab.layout import CANONICAL, to_layout
-from precision_lab.problem import PARAM_NAMES, Result, forward_backward, make_problem
-from precision_lab.errmodel import attach_parameters
+from precision_lab.problem import make_problem
+from precision_lab.compute import Result, forward_backward
 from precision_lab.reference import reference
+from precision_lab.model import seed_network
+
+SEED = seed_network()
+PARAM_NAMES, WEIGHT_NAMES, BIAS_NAMES = SEED.parameter_names, SEED.weight_names, SEED.bias_names
 
 
 @pytest.fixture(scope="module")
 def case():
     problem = make_problem(48, 2, 1)
-    trace = attach_parameters(reference(problem), problem.params)
+    trace = reference(problem)
     return problem, trace, forward_backward(problem, "float32")
 
 
@@ -24,15 +28,23 @@ def _copy(result: Result, **grads) -> Result:
 
 
 def test_transforms_cover_every_permutation_and_flip():
-    transforms = verdict.layout_transforms()
-    assert len(transforms) == 24 * 4 - 1 and (CANONICAL, ()) not in transforms
-    assert transforms[0] in ((CANONICAL, ("H",)), (CANONICAL, ("W",)))  # the simplest come first
+    from precision_lab import doctors
+    from precision_lab.compute import GradBuffer
+
+    transforms = doctors.transforms(4)
+    assert len(transforms) == 24 * 4 and len(doctors.transforms(2)) == 2  # linear weights: OI or IO, no flips
     rng = np.random.default_rng(0)
     true = rng.standard_normal((16, 8, 3, 3))
     for layout, flipped in transforms:
         axes = tuple(CANONICAL.index(a) for a in flipped)
-        slipped = to_layout(np.flip(true, axis=axes) if axes else true, layout).reshape(true.shape)
-        assert np.array_equal(verdict.apply_transform(slipped, layout, flipped), true), (layout, flipped)
+        written = to_layout(np.flip(true, axis=axes) if axes else true, layout)
+        for order in ("C", "F"):  # the buffer as a C or a Fortran program wrote it
+            held = layout if order == "C" else layout[::-1]
+            buffer = GradBuffer(written.ravel(order="C"), "OIHW", order)
+            assert np.array_equal(doctors.read_buffer(buffer, true.shape, held, flipped), true), (layout, flipped)
+    fits = doctors.layout_fits(GradBuffer(to_layout(true, "IOHW").ravel(), "OIHW", "C"), true,
+                               np.full(true.shape, 1e-12))
+    assert fits[0] == ("IOHW", ())  # the simplest fitting transform comes first
 
 
 def test_exact_result_is_roundoff_with_sane_evidence(case):
@@ -111,7 +123,7 @@ def test_non_finite_values_are_a_defect_and_json_stays_valid(case):
 
 def test_wrong_size_is_a_clear_error(case):
     _, trace, result = case
-    with pytest.raises(ValueError, match="conv1.weight: candidate gave 10 values"):
+    with pytest.raises(ValueError, match="conv1.weight has 10 values"):
         verdict.judge(_copy(result, **{"conv1.weight": np.zeros(10, np.float32)}), trace)
 
 
@@ -123,7 +135,9 @@ def test_frame_is_tidy(case):
 
 def test_noise_floor_ensemble_sits_under_the_bound():
     problem = make_problem(32, 2, 0)
-    floor = verdict.noise_floor(problem)
+    from precision_lab.calibration import noise_floor
+
+    floor = noise_floor(problem)
     members = set(floor["member"]) - {"ensemble-spread"}
     assert len(members) >= 5
     assert floor["bound_ratio"].max() <= 1.0

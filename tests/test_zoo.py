@@ -3,11 +3,15 @@ import numpy as np
 import pytest
 
 from precision_lab.candidates import registry
-from precision_lab.candidates.zoo import OrderedWeightGradConv, confusion_matrix, judge_zoo
-from precision_lab.problem import WEIGHT_NAMES, make_problem
-from precision_lab.errmodel import attach_parameters
+from precision_lab.calibration import confusion_matrix, judge_zoo
+from precision_lab.candidates.zoo import OrderedWeightGrad
+from precision_lab.problem import make_problem
 from precision_lab.reference import reference
 from precision_lab.verdict import VERDICTS, single_element_sensitivity
+from precision_lab.model import seed_network
+
+SEED = seed_network()
+PARAM_NAMES, WEIGHT_NAMES, BIAS_NAMES = SEED.parameter_names, SEED.weight_names, SEED.bias_names
 
 SIZE = 48  # n = 2·48² = 4608 terms per gradient sum: small enough for CI, large enough to cancel
 
@@ -55,7 +59,7 @@ def test_defects_are_far_outside_the_bound_except_the_subtle_ones(zoo_table):
 
 
 def test_sensitivity_to_a_single_element_slip(problem):
-    trace = attach_parameters(reference(problem), problem.params)
+    trace = reference(problem)
     native = registry()["native"].compute(problem)
     caught = {name: single_element_sensitivity(native, trace, name)[0] for name in WEIGHT_NAMES}
     print(f"\nsmallest caught relative slip of the largest element at {SIZE}²:", caught)
@@ -69,13 +73,15 @@ def test_sensitivity_to_a_single_element_slip(problem):
 def test_ordered_weight_gradients_agree_with_native(problem):
     import torch
 
-    from precision_lab.problem import NativeConv
+    from precision_lab.conv import NativeConv
 
     rng = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 16, 16, generator=rng)
     g = torch.randn(2, 4, 16, 16, generator=rng)
     native = NativeConv().weight_grad(x.double(), g.double())
     for order in ("sequential", "pairwise", "blocked", "kahan"):
-        ordered = OrderedWeightGradConv(order).weight_grad(x, g)
+        from precision_lab.ops import SEED_CONV
+
+        ordered = OrderedWeightGrad(order).conv(x, g, SEED_CONV, tuple(native.shape))
         assert ordered.shape == native.shape and ordered.dtype == torch.float32
         assert torch.allclose(ordered.double(), native, rtol=0, atol=1e-4), order

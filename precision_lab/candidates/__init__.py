@@ -1,8 +1,10 @@
 """Candidates: implementations under test. Each maps a Problem to a Result (DESIGN.md, "Candidates").
 
-A candidate computes one forward + backward of the seed problem in its own precision and
-weight layout and returns the gradients in the canonical OIHW layout (converted with the
-layout it *declares*: a layout slip survives the conversion, as it would in real code).
+A candidate computes one forward + backward of a problem (any network the problem carries) in
+its own precision and weight layout and returns the gradients in the canonical layout (OIHW,
+OI), converted with the layout it *declares*: a layout slip survives the conversion, as it would
+in real code. A built-in candidate says which networks it applies to (`applies`): a convolution
+algorithm needs a 3×3 convolution, a missing-mask defect needs a ReLU.
 
 `resolve(spec)` turns what a user writes into a candidate:
 ``builtin:NAME`` or ``NAME`` (the registry), ``path/to/candidate.yaml`` (a command candidate),
@@ -16,7 +18,8 @@ from typing import Callable
 
 import torch
 
-from ..problem import Problem, Result
+from ..compute import Result
+from ..problem import Problem
 
 #: families, in the order reports list them
 FAMILIES = ("builtin", "legitimate", "defect", "bundle", "command")
@@ -47,12 +50,18 @@ class Candidate:
     has_float64: bool = True
     devices: tuple[str, ...] = ("cpu", "cuda")
     meta: dict = field(default_factory=dict)
+    applies: Callable | None = None  # network → bool: whether this candidate means anything for it
+    network: object | None = None  # the network an external candidate computes (None: whatever the problem says)
 
     def compute(self, problem: Problem, precision: str = "float32", device: str | torch.device = "cpu") -> Result:
         if precision not in ("float32", "float64"):
             raise CandidateError(f"candidate {self.name}: precision must be float32 or float64, got {precision!r}")
         if precision == "float64" and not self.has_float64:
             raise CandidateError(f"candidate {self.name} has no float64 build")
+        if self.network is not None and problem.network.spec != self.network.spec:
+            raise CandidateError(f"candidate {self.name} computes the network {self.network.name!r} "
+                                 f"({self.network.summary()}), but the problem is {problem.network.name!r}: "
+                                 f"run it on its own model (the `model` parameter or --model)")
         device = torch.device(device)
         result = self.run(problem, precision, device)
         result.meta.setdefault("candidate", self.name)
@@ -61,6 +70,12 @@ class Candidate:
 
     def supports(self, device: str | torch.device) -> bool:
         return torch.device(device).type in self.devices
+
+    def applies_to(self, network) -> bool:
+        """Whether this candidate has a meaning for `network` (a slip needs the layer it slips in)."""
+        if self.network is not None and self.network.spec != network.spec:
+            return False
+        return self.applies is None or bool(self.applies(network))
 
     def describe(self) -> dict:
         return {"name": self.name, "description": self.description, "family": self.family,
@@ -83,11 +98,7 @@ def register(candidate: Candidate) -> Candidate:
 def _load_builtins() -> None:
     # imported for their register() side effects; zoo and conv variants live in their own modules
     from . import builtin  # noqa: F401
-    try:
-        from . import zoo  # noqa: F401
-    except ImportError as exc:
-        if "zoo" not in str(exc):
-            raise
+    from . import zoo  # noqa: F401
 
 
 def registry() -> dict[str, Candidate]:
@@ -120,7 +131,7 @@ def resolve(spec: str | Candidate, base_dir: str | Path | None = None) -> Candid
 
         return load_command_candidate(path)
     if path.is_dir():
-        from ..bundle import BundleCandidate
+        from .static import BundleCandidate
 
         return BundleCandidate.from_dir(path)
     if "/" in spec or spec.endswith((".json", ".npz")):

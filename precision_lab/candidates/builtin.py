@@ -7,8 +7,10 @@ import numpy as np
 import torch
 
 from .. import formats
+from ..compute import Result, autograd_forward_backward, forward_backward
 from ..layout import from_layout, to_layout
-from ..problem import WEIGHT_NAMES, Problem, Result, autograd_forward_backward, forward_backward
+from ..ops import Kernels
+from ..problem import Problem
 from . import Candidate, register
 
 
@@ -52,16 +54,22 @@ register(Candidate(
 ))
 
 
-def _tf32_emulated(problem: Problem, precision: str, device: torch.device) -> Result:
-    if precision == "float64":  # the recompiled build has no reduced-precision inputs
-        return forward_backward(problem, "float64", device)
-    return forward_backward(problem, "float32", device, round_inputs=lambda a: formats.round_to(a, "tf32"))
+def emulated(fmt: str, passes=Kernels.PASSES):
+    """A float32 forward + backward with every sum's operands rounded to `fmt` (the float64 build: none)."""
+    def run(problem: Problem, precision: str, device: torch.device) -> Result:
+        if precision == "float64":  # the recompiled build has no reduced-precision inputs
+            return forward_backward(problem, "float64", device)
+        kernels = Kernels(round_operands=lambda a: formats.round_to(a, fmt), rounded_passes=passes,
+                          name=f"{fmt}-emulated")
+        return forward_backward(problem, "float32", device, kernels=kernels)
+
+    return run
 
 
 register(Candidate(
     name="tf32-emulated",
     description="float32 arithmetic with every convolution operand rounded to TF32 (10 mantissa bits), claimed as float32",
-    run=_tf32_emulated,
+    run=emulated("tf32"),
     expected="reduced-precision", expected_detail="tf32",
 ))
 
@@ -76,17 +84,18 @@ FORTRAN_LAYOUT = "HWIO"
 
 def _fortran_replay(flip_slip: bool):
     def run(problem: Problem, precision: str, device: torch.device) -> Result:
+        weights = problem.network.weight_names
         # weights as the Fortran program holds them, converted to cuDNN's layout for the call
-        stored = {name: to_layout(problem.params[name], FORTRAN_LAYOUT) for name in WEIGHT_NAMES}
+        stored = {name: to_layout(problem.params[name], FORTRAN_LAYOUT) for name in weights}
         cudnn_params = dict(problem.params, **{name: from_layout(w, FORTRAN_LAYOUT) for name, w in stored.items()})
         result = forward_backward(problem.with_params(cudnn_params), precision, device)
-        for name in WEIGHT_NAMES:
-            grad_oihw = result.grads[name]  # as cuDNN returns it: (Out, In, H, W)
-            if flip_slip:
-                grad_oihw = grad_oihw[:, :, ::-1, ::-1]
-            grad_fortran = to_layout(np.ascontiguousarray(grad_oihw), FORTRAN_LAYOUT)
+        for name in weights:
+            grad = result.grads[name]  # as cuDNN returns it: (Out, In, H, W)
+            if flip_slip and grad.ndim == 4:
+                grad = grad[:, :, ::-1, ::-1]
+            written = to_layout(np.ascontiguousarray(grad), FORTRAN_LAYOUT)
             # the lab reads the gradient back through the layout the program declares
-            result.grads[name] = from_layout(grad_fortran, FORTRAN_LAYOUT)
+            result.grads[name] = from_layout(written, FORTRAN_LAYOUT)
         result.meta["weight_layout"] = FORTRAN_LAYOUT
         return result
 
@@ -108,4 +117,5 @@ register(Candidate(
     weight_layout=FORTRAN_LAYOUT,
     expected="layout", expected_detail="flip HW",
     meta={"motivating_case": True},
+    applies=lambda network: any(len(s) == 4 and s[2] * s[3] > 1 for s in network.param_shapes.values()),
 ))

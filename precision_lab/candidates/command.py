@@ -10,6 +10,7 @@ The candidate YAML::
     timeout_s: 600
     request_format: npz         # optional: npz (default) or raw (column-major .bin files)
     env: {OMP_NUM_THREADS: "4"} # optional: extra environment variables (strings)
+    model: my-net.json          # optional: a model spec file (or the spec inline); default the seed CNN
 
 Each call: the lab makes a fresh temporary working directory, writes the request bundle to
 `<tmp>/request/`, creates the empty `<tmp>/response/`, and runs the command there with no
@@ -37,12 +38,14 @@ import yaml
 
 from .. import formats
 from ..errors import LabInputError
+from ..compute import Result
 from ..layout import check_layout
-from ..problem import Problem, Result
+from ..model import ModelSpecError, load_model
+from ..problem import Problem
 from . import Candidate, CandidateError
 
 KEYS = ("name", "description", "command", "command_float64", "precision", "weight_layout", "timeout_s",
-        "request_format", "env")
+        "request_format", "env", "model", "start")
 REQUEST_FORMATS = ("npz", "raw")
 #: variables passed through from the lab's environment when set (the rest is not inherited)
 PASSTHROUGH_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES",
@@ -119,7 +122,10 @@ def load_command_candidate(path: str | Path) -> Candidate:
     """A Candidate (family "command") from a candidate YAML; every key is checked here."""
     path = Path(path).resolve()
     spec = _read_yaml(path)
+    if spec.get("model") == "opaque" or "start" in spec:
+        return _opaque(path, spec)
     name = spec.get("name", path.stem)
+    network = _network(path, spec)
     if not isinstance(name, str) or not name.strip():
         raise CommandCandidateError(f"{path}: key 'name' must be a non-empty string")
     precision = _choice(path, spec, "precision", "float32", formats.PRECISIONS)
@@ -136,7 +142,32 @@ def load_command_candidate(path: str | Path) -> Candidate:
     description = spec.get("description") or f"external program {' '.join(program.commands['float32'])}"
     return Candidate(name=name, description=str(description), run=program.run, claimed_precision=precision,
                      weight_layout=layout, family="command", has_float64=program.commands["float64"] is not None,
-                     meta={"yaml": str(path), "timeout_s": program.timeout_s})
+                     meta={"yaml": str(path), "timeout_s": program.timeout_s, "model": network.name},
+                     network=network)
+
+
+def _network(path: Path, spec: dict):
+    """The network the YAML's `model` names: a spec file (relative to the YAML's folder), the spec inline,
+    or a built-in name; the seed CNN when absent."""
+    model = spec.get("model")
+    if model is None:
+        return load_model(None)
+    try:
+        return load_model(model, base_dir=path.parent)
+    except ModelSpecError as exc:
+        raise CommandCandidateError(f"{path}: key 'model': {exc}") from None
+
+
+def _opaque(path: Path, spec: dict) -> Candidate:
+    """`model: opaque` with `start: DIR`: the reference-free gradient check (precision_lab.gradcheck)."""
+    if spec.get("model") != "opaque" or "start" not in spec:
+        raise CommandCandidateError(f"{path}: keys 'model: opaque' and 'start: DIR' go together (an opaque model "
+                                    f"is checked from its start bundle)")
+    try:
+        from .opaque import load_opaque_candidate
+    except ImportError:
+        raise CommandCandidateError(f"{path}: opaque models are not supported by this installation") from None
+    return load_opaque_candidate(path, spec)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,7 +226,8 @@ class CommandProgram:
             env = child_environment(self.env, workdir, request, response, exchange_precision)
             wall_s = self.call(argv, workdir, env)
             try:
-                bundle = read_response(response, exchange_precision, self.weight_layout, problem.input.shape)
+                bundle = read_response(response, exchange_precision, self.weight_layout, problem.input.shape,
+                                       problem.network)
             except BundleError as exc:
                 raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): bad response: "
                                             f"{str(exc).replace(str(workdir) + os.sep, '')}") from None

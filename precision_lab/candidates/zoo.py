@@ -1,28 +1,32 @@
 """The defect zoo and the legitimate variants: built-in candidates that test the lab itself.
 
-Legitimate variants compute the same gradients another valid way (summation order of the
-weight-gradient reduction, micro-batching, float64 inside a float32 interface, TF32 claimed as
-TF32, convolution algorithms of `precision_lab.conv`): each must be judged ``roundoff``.
-Defects keep the look of a working implementation (every shape right, loss right) and each
-must be judged as its `expected` class, naming the transform or format in `expected_detail`.
+Every candidate runs on the problem's own network (precision_lab.compute), with one thing
+changed: a legitimate variant computes the same gradients another valid way (summation order of
+the weight-gradient reductions, split-K partial sums in a shuffled order, micro-batching, float64
+inside a float32 interface, TF32 claimed as TF32, the convolution algorithms of
+`precision_lab.conv`) and must be judged ``roundoff``; a defect keeps the look of a working
+implementation (every shape right, loss right) and must be judged as its `expected` class,
+naming the transform or format in `expected_detail`. `applies` says which networks a candidate
+means something for (a missing ReLU mask needs a ReLU).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .. import formats
+from ..compute import Result, forward_backward
 from ..layout import to_layout
-from ..problem import (KERNEL_SIZE, LAYERS, PADDING, PARAM_NAMES, WEIGHT_NAMES, NativeConv, Problem,
-                       Result, forward_backward, to_tensors)
+from ..ops import LOSSES, OPS, Kernels, is_seed_conv
+from ..problem import Problem
 from . import Candidate, builtin, register  # noqa: F401 - builtin first: registry() loads only when empty
+from .builtin import emulated
 
 # ---------------------------------------------------------------------------------------------
-# summation orders of the weight-gradient reduction (vectorised over output elements)
+# summation orders of the weight-gradient reductions (vectorised over output elements)
 
 
 def sum_sequential(terms: np.ndarray) -> np.ndarray:
@@ -83,60 +87,105 @@ SUMMATION_ORDERS = {"sequential": sum_sequential, "pairwise": sum_pairwise, "blo
                     "kahan": sum_kahan}
 
 
-class OrderedWeightGradConv(NativeConv):
-    """Native forward and input gradient; the weight gradient summed over batch·H·W in a chosen order.
+class OrderedWeightGrad:
+    """Weight gradients summed over batch·H_out·W_out (conv2d) or batch (linear) in a chosen order.
 
-    Terms are formed as the hardware would (products rounded to the working dtype), one
-    (input channel, kernel offset) at a time to bound memory, on the CPU whatever the device.
+    Terms are formed as the hardware would (products rounded to the working dtype), one input
+    channel at a time (its kh·kw taps together) to bound memory, on the CPU whatever the device.
     """
 
     def __init__(self, order: str):
         self.order, self.reduce, self.name = order, SUMMATION_ORDERS[order], f"sum-{order}"
 
-    def weight_grad(self, x, grad_out):
+    def conv(self, x, g, attrs, weight_shape):
         dtype = np.float32 if x.dtype == torch.float32 else np.float64
-        xs = F.pad(x, (PADDING,) * 4).cpu().numpy().astype(dtype, copy=False)
-        g = grad_out.cpu().numpy().astype(dtype, copy=False)
-        n, c_out, h, w = g.shape
-        g_rows = np.ascontiguousarray(g.transpose(1, 0, 2, 3).reshape(c_out, -1))
-        out = np.empty((c_out, x.shape[1], KERNEL_SIZE, KERNEL_SIZE), dtype)
-        for i in range(x.shape[1]):
-            for kh in range(KERNEL_SIZE):
-                for kw in range(KERNEL_SIZE):
-                    shifted = np.ascontiguousarray(xs[:, i, kh:kh + h, kw:kw + w]).reshape(-1)
-                    out[:, i, kh, kw] = self.reduce(g_rows * shifted)
+        c_out, per_group, kh, kw = weight_shape
+        outs_per_group = c_out // attrs["groups"]
+        g_np = g.cpu().numpy().astype(dtype, copy=False)
+        out = np.empty(weight_shape, dtype)
+        for c in range(x.shape[1]):
+            group = c // per_group
+            cols = F.unfold(x[:, c:c + 1], attrs["kernel"], dilation=attrs["dilation"], padding=attrs["padding"],
+                            stride=attrs["stride"]).cpu().numpy().astype(dtype, copy=False)  # (N, kh·kw, L)
+            outs = slice(group * outs_per_group, (group + 1) * outs_per_group)
+            g_rows = np.ascontiguousarray(g_np[:, outs].reshape(g_np.shape[0], outs_per_group, -1)
+                                          .transpose(1, 0, 2).reshape(outs_per_group, -1))
+            taps = np.ascontiguousarray(cols.transpose(1, 0, 2).reshape(kh * kw, -1))
+            for tap in range(kh * kw):
+                out[outs, c - group * per_group, tap // kw, tap % kw] = self.reduce(g_rows * taps[tap])
         return torch.from_numpy(out).to(x.device)
 
+    def linear(self, x, g):
+        dtype = np.float32 if x.dtype == torch.float32 else np.float64
+        x_np, g_np = x.cpu().numpy().astype(dtype, copy=False), g.cpu().numpy().astype(dtype, copy=False)
+        terms = g_np.T[:, None, :] * x_np.T[None, :, :]  # (O, I, N)
+        return torch.from_numpy(self.reduce(terms)).to(x.device)
 
-def _ordered(order: str):
+
+class SplitKWeightGrad:
+    """Weight gradients as `parts` partial sums over bands of output rows (conv2d) or batch chunks
+    (linear), added in a shuffled order: how GEMM kernels split a long reduction (split-K) and
+    combine the partial results in whatever order their blocks finish."""
+
+    def __init__(self, parts: int = 32, seed: int = 1):
+        self.parts, self.seed, self.name = parts, seed, f"split-k{parts}"
+
+    def _shuffled_sum(self, partials):
+        order = np.random.default_rng(self.seed).permutation(len(partials))
+        total = partials[order[0]].clone()
+        for i in order[1:]:
+            total += partials[i]
+        return total
+
+    def conv(self, x, g, attrs, weight_shape):
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (attrs[k] for k in ("kernel", "stride", "padding", "dilation"))
+        padded = F.pad(x, (pw, pw, ph, ph))
+        height = g.shape[2]
+        bands = np.array_split(np.arange(height), min(self.parts, height))
+        partials = []
+        for band in bands:
+            if len(band) == 0:
+                continue
+            r0, r1 = int(band[0]), int(band[-1]) + 1
+            rows = padded[:, :, r0 * sh:(r1 - 1) * sh + dh * (kh - 1) + 1]
+            partials.append(torch.nn.grad.conv2d_weight(rows, weight_shape, g[:, :, r0:r1].contiguous(), (sh, sw),
+                                                        (0, 0), (dh, dw), attrs["groups"]))
+        return self._shuffled_sum(partials)
+
+    def linear(self, x, g):
+        chunks = np.array_split(np.arange(x.shape[0]), min(self.parts, x.shape[0]))
+        return self._shuffled_sum([g[c[0]:c[-1] + 1].T @ x[c[0]:c[-1] + 1] for c in chunks if len(c)])
+
+
+def _with_kernels(kernels: Kernels):
     def run(problem: Problem, precision: str, device: torch.device) -> Result:
-        return forward_backward(problem, precision, device, conv=OrderedWeightGradConv(order))
+        return forward_backward(problem, precision, device, kernels=kernels)
 
     return run
 
 
-for _order, _text in [("sequential", "left to right over batch·H·W, one float32 accumulator per element"),
-                      ("pairwise", "a balanced binary tree over batch·H·W"),
-                      ("blocked", "blocks of 256 summed sequentially, then the block sums"),
-                      ("kahan", "Kahan-compensated lanes merged by TwoSum")]:
-    register(Candidate(name=f"sum-{_order}", description=f"weight gradients summed {_text}", run=_ordered(_order),
+for _order, _text in [("sequential", "left to right, one accumulator per element"),
+                      ("pairwise", "by a balanced binary tree"),
+                      ("blocked", "in blocks of 256 summed sequentially, then the block sums"),
+                      ("kahan", "in Kahan-compensated lanes merged by TwoSum")]:
+    register(Candidate(name=f"sum-{_order}", description=f"weight gradients summed over batch·H·W {_text}",
+                       run=_with_kernels(Kernels(weight_grad=OrderedWeightGrad(_order), name=f"sum-{_order}")),
                        family="legitimate", expected="roundoff"))
 
-
-def _layered_native(problem: Problem, precision: str, device: torch.device) -> Result:
-    return forward_backward(problem, precision, device)
-
+register(Candidate(name="split-k", description="weight gradients as 32 partial sums over row bands, added in a "
+                   "shuffled order (split-K)", run=_with_kernels(Kernels(weight_grad=SplitKWeightGrad(), name="split-k")),
+                   family="legitimate", expected="roundoff"))
 
 register(Candidate(name="layered-native", description="the backward written out layer by layer with native kernels "
-                   "(not autograd)", run=_layered_native, family="legitimate", expected="roundoff"))
+                   "(not autograd)", run=_with_kernels(Kernels()), family="legitimate", expected="roundoff"))
 
 
 def _micro_batched(problem: Problem, precision: str, device: torch.device) -> Result:
-    # gradient accumulation: one image at a time, each loss a mean over its own pixels, averaged
-    parts = [forward_backward(Problem(problem.input[b:b + 1], problem.target[b:b + 1], problem.params, problem.seed),
-                              precision, device) for b in range(problem.batch)]
+    # gradient accumulation: one image at a time, each loss a mean over its own positions, averaged
+    parts = [forward_backward(problem.with_batch(b, b + 1), precision, device) for b in range(problem.batch)]
     dtype = np.float32 if precision == "float32" else np.float64
-    grads = {name: (sum(p.grads[name].astype(dtype) for p in parts) / dtype(len(parts))).astype(dtype) for name in PARAM_NAMES}
+    grads = {name: (sum(p.grads[name].astype(dtype) for p in parts) / dtype(len(parts))).astype(dtype)
+             for name in problem.network.parameter_names}
     loss = float(np.mean(np.array([p.loss for p in parts], dtype)))
     output = np.concatenate([p.output for p in parts])
     return Result(loss, grads, output, precision, {"conv": "native, micro-batched"})
@@ -158,116 +207,229 @@ def _float64_inside(problem: Problem, precision: str, device: torch.device) -> R
 register(Candidate(name="float64-inside", description="float64 arithmetic behind a float32 interface (results rounded "
                    "to float32)", run=_float64_inside, family="legitimate", expected="roundoff"))
 
-
-def _tf32(problem: Problem, precision: str, device: torch.device) -> Result:
-    if precision == "float64":
-        return forward_backward(problem, "float64", device)
-    return forward_backward(problem, "float32", device, round_inputs=lambda a: formats.round_to(a, "tf32"))
+register(Candidate(name="tf32-claimed", description="TF32 operands, honestly claimed as tf32", run=emulated("tf32"),
+                   claimed_precision="tf32", family="legitimate", expected="roundoff"))
 
 
-register(Candidate(name="tf32-claimed", description="TF32 convolution operands, honestly claimed as tf32",
-                   run=_tf32, claimed_precision="tf32", family="legitimate", expected="roundoff"))
-
-
-def _conv_algorithms() -> list[str]:
-    try:
-        from .. import conv as conv_package
-    except ImportError:
-        return []
-    if not hasattr(conv_package, "get_algorithm"):
-        return []
-    names = getattr(conv_package, "ALGORITHMS", None) or ("direct", "im2col", "fft", "winograd23", "winograd43")
-    return [name for name in names if name != "native"]
+def _has_seed_conv(network) -> bool:
+    return any(layer.op == "conv2d" and is_seed_conv(layer.attrs) for layer in network.layers)
 
 
 def _algorithm(name: str):
     def run(problem: Problem, precision: str, device: torch.device) -> Result:
         from ..conv import get_algorithm
 
-        return forward_backward(problem, precision, device, conv=get_algorithm(name))
+        return forward_backward(problem, precision, device, kernels=Kernels(conv=get_algorithm(name), name=name))
 
     return run
+
+
+def _conv_algorithms() -> list[str]:
+    from ..conv import ALGORITHMS
+
+    return list(ALGORITHMS)
 
 
 for _name in _conv_algorithms():
-    register(Candidate(name=f"conv-{_name}", description=f"every convolution by the {_name} algorithm of precision_lab.conv",
-                       run=_algorithm(_name), family="legitimate", expected="roundoff"))
+    register(Candidate(name=f"conv-{_name}", description=f"every 3×3 convolution by the {_name} algorithm of "
+                       f"precision_lab.conv", run=_algorithm(_name), family="legitimate", expected="roundoff",
+                       applies=_has_seed_conv))
 
 
 # ---------------------------------------------------------------------------------------------
-# defects inside the computation: a forward + backward with one slip switched on
+# defects inside the computation: one op's rule replaced
 
 
-@dataclass(frozen=True)
-class Slips:
-    """Mistakes a hand-written backward can make (all off: the seed computation)."""
+class _Slipped:
+    """An op with its backward changed by `backward(op, attrs, g, xs, y, params, kernels, need)`."""
 
-    relu_mask_missing: bool = False  # input gradient passed through the ReLU unmasked
-    mean_missing: bool = False  # ∂loss/∂y = 2r, the 1/N of the mean forgotten
-    factor_two_missing: bool = False  # ∂loss/∂y = r/N, the 2 of the square forgotten
-    bias_one_sample: bool = False  # bias gradient summed over the first image only
-    mask_from_layer_above: bool = False  # layer-1 gradient masked with z2 > 0 instead of z1 > 0
-    padding_offset: bool = False  # weight gradient with the input padded (0, 2) instead of (1, 1)
-    last_row_skipped: bool = False  # weight-gradient loop over rows stops one short (h < H − 1)
+    forward_inplace = None
+    derive_output = None
+    derive_input_grad = None
+    backward_inplace = None
 
+    def __init__(self, op, backward):
+        self.op, self._backward = op, backward
 
-def _slipped_weight_grad(x: torch.Tensor, g: torch.Tensor, slips: Slips) -> torch.Tensor:
-    shape = (g.shape[1], x.shape[1], KERNEL_SIZE, KERNEL_SIZE)
-    if slips.padding_offset:
-        shifted = F.pad(x, (0, 2, 0, 2))  # the halo put on one side: every window one pixel off
-        return torch.nn.grad.conv2d_weight(shifted, shape, g, padding=0)
-    if slips.last_row_skipped:
-        g = g.clone()
-        g[:, :, -1, :] = 0
-    return torch.nn.grad.conv2d_weight(x, shape, g, padding=PADDING)
+    def forward(self, attrs, xs, params, kernels):
+        return self.op.forward(attrs, xs, params, kernels)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return self._backward(self.op, attrs, g, xs, y, params, kernels, need)
 
 
-def slipped_forward_backward(problem: Problem, dtype: str, device: torch.device, slips: Slips) -> Result:
-    """The seed's forward + backward (problem.forward_backward) with `slips` switched on."""
-    conv = NativeConv()
-    x, t, p = to_tensors(problem, dtype, device)
-    with torch.no_grad():
-        acts, pres = [x], []
-        for k, layer in enumerate(LAYERS):
-            z = conv.forward(acts[-1], p[f"{layer}.weight"]) + p[f"{layer}.bias"].view(1, -1, 1, 1)
-            pres.append(z)
-            if k < len(LAYERS) - 1:
-                acts.append(torch.relu(z))
-        residual = pres[-1] - t
-        loss = torch.mean(residual * residual)
-        scale = (1.0 if slips.factor_two_missing else 2.0) / (1 if slips.mean_missing else residual.numel())
-        grad = residual * scale
-        grads = {}
-        for k in reversed(range(len(LAYERS))):
-            layer = LAYERS[k]
-            grads[f"{layer}.weight"] = _slipped_weight_grad(acts[k], grad, slips)
-            grads[f"{layer}.bias"] = (grad[:1] if slips.bias_one_sample else grad).sum(dim=(0, 2, 3))
-            if k > 0:
-                grad = conv.input_grad(grad, p[f"{layer}.weight"])
-                if not slips.relu_mask_missing:
-                    mask_source = pres[k] if slips.mask_from_layer_above and k == 1 else pres[k - 1]
-                    grad = grad * (mask_source > 0)
-    return Result(float(loss), {n: grads[n].cpu().numpy() for n in PARAM_NAMES}, pres[-1].cpu().numpy(), dtype,
-                  {"conv": "native", "device": str(device)})
-
-
-def _slipped(**slip):
+def _slipped(rules_for):
+    """A candidate run with the rules `rules_for(network)` returns (op name or layer index → rule)."""
     def run(problem: Problem, precision: str, device: torch.device) -> Result:
-        return slipped_forward_backward(problem, precision, device, Slips(**slip))
+        return forward_backward(problem, precision, device, rules=rules_for(problem.network))
 
     return run
 
 
-for _name, _slip, _text in [
-    ("relu-mask-missing", "relu_mask_missing", "the backward passes gradients through the ReLUs unmasked"),
-    ("mean-missing", "mean_missing", "∂loss/∂output = 2(y − t): the 1/N of the mean forgotten"),
-    ("factor-two-missing", "factor_two_missing", "∂loss/∂output = (y − t)/N: the 2 of the square forgotten"),
-    ("bias-one-sample", "bias_one_sample", "bias gradients summed over the first image of the batch only"),
-    ("mask-wrong-layer", "mask_from_layer_above", "conv1's gradient masked with conv2's ReLU instead of its own"),
-    ("padding-offset", "padding_offset", "weight gradients with the halo on one side (pad 0, 2): windows one pixel off"),
-    ("last-row-skipped", "last_row_skipped", "weight-gradient loop over image rows stops one row short"),
+def _relu_layers(network):
+    return [layer for layer in network.layers if layer.op == "relu"]
+
+
+def _unmasked(op, attrs, g, xs, y, params, kernels, need):
+    return [g], {}
+
+
+def _bias_one_sample(op, attrs, g, xs, y, params, kernels, need):
+    grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
+    if "bias" in param_grads:
+        param_grads["bias"] = g[:1].sum(dim=(0, 2, 3) if g.dim() == 4 else 0)
+    return grads, param_grads
+
+
+def _shifted_windows(op, attrs, g, xs, y, params, kernels, need):
+    # the halo put on one side: every window one pixel off (x[i + 1] where x[i] belongs)
+    grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
+    shifted = torch.zeros_like(xs[0])
+    shifted[:, :, :-1, :-1] = xs[0][:, :, 1:, 1:]
+    param_grads["weight"] = kernels.conv_weight_grad(shifted, g, attrs, tuple(params["weight"].shape))
+    return grads, param_grads
+
+
+def _edge_skipped(row: bool, first: bool):
+    def backward(op, attrs, g, xs, y, params, kernels, need):
+        grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
+        clipped = g.clone()
+        index = 0 if first else -1
+        if row:
+            clipped[:, :, index, :] = 0
+        else:
+            clipped[:, :, :, index] = 0
+        param_grads["weight"] = kernels.conv_weight_grad(xs[0], clipped, attrs, tuple(params["weight"].shape))
+        return grads, param_grads
+
+    return backward
+
+
+def _first_conv(network):
+    return next((layer for layer in network.layers if layer.op == "conv2d"), None)
+
+
+def _convs(network):
+    return [layer for layer in network.layers if layer.op == "conv2d"]
+
+
+def _loss_rule(scale_of):
+    """The loss with its gradient scaled by scale_of(y): a forgotten 1/N or 2."""
+    class Scaled:
+        def __init__(self, base):
+            self.base = base
+
+        def forward_backward(self, y, t, in_place=False):
+            loss, grad = self.base.forward_backward(y, t)
+            return loss, grad * scale_of(self.base, y)
+
+    return Scaled
+
+
+def _loss_slip(scale_of):
+    def rules_for(network):
+        return {"loss": _loss_rule(scale_of)(LOSSES[network.loss])}
+
+    return rules_for
+
+
+class _SummedCrossEntropy:
+    """cross_entropy summed over positions instead of averaged: loss and gradient both × count."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def forward_backward(self, y, t, in_place=False):
+        loss, grad = self.base.forward_backward(y, t)
+        count = self.base.positions(y)
+        return loss * count, grad * count
+
+
+class _MaskFromOther:
+    """A ReLU whose backward uses another ReLU's mask (recorded from that ReLU's input in this forward)."""
+
+    forward_inplace = None
+    derive_output = None
+    derive_input_grad = None
+    backward_inplace = None
+
+    def __init__(self, store: dict, key: str, record: bool):
+        self.store, self.key, self.record = store, key, record
+
+    def forward(self, attrs, xs, params, kernels):
+        if self.record:
+            self.store[self.key] = xs[0]
+        return torch.relu(xs[0])
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        source = self.store[self.key] if not self.record else xs[0]
+        return [g.masked_fill(source <= 0, 0.0)], {}
+
+
+def _mask_wrong_layer(network):
+    relus = _relu_layers(network)
+    first = relus[0]
+    other = next(layer for layer in relus[1:] if _same_shape(network, first, layer))
+    store = {}
+    return {first.index: _MaskFromOther(store, "z", record=False), other.index: _MaskFromOther(store, "z", record=True)}
+
+
+def _same_shape(network, a, b) -> bool:
+    try:
+        shapes = network.shapes(32, 32)
+    except Exception:  # noqa: BLE001 - a network that cannot take 32×32: compare symbolically
+        shapes = None
+    if shapes is None:
+        return False
+    return shapes[a.inputs[0]] == shapes[b.inputs[0]]
+
+
+def _two_relus_alike(network) -> bool:
+    relus = _relu_layers(network)
+    return len(relus) >= 2 and any(_same_shape(network, relus[0], other) for other in relus[1:])
+
+
+def _upsample_first_only(op, attrs, g, xs, y, params, kernels, need):
+    # each block's gradient taken from its top-left element only (a strided read instead of a sum)
+    sh, sw = attrs["scale"]
+    return [g[:, :, ::sh, ::sw].contiguous() if need[0] else None], {}
+
+
+def _skip_no_gradient(op, attrs, g, xs, y, params, kernels, need):
+    # the add's backward forgets the branch named by `from`
+    return [g if need[0] else None, torch.zeros_like(g) if need[1] else None], {}
+
+
+def _has_op(name):
+    return lambda network: any(layer.op == name for layer in network.layers)
+
+
+for _name, _rules, _applies, _expected, _text in [
+    ("relu-mask-missing", lambda n: {"relu": _Slipped(OPS["relu"], _unmasked)}, lambda n: bool(_relu_layers(n)),
+     "defect", "the backward passes gradients through the ReLUs unmasked"),
+    ("mean-missing", _loss_slip(lambda base, y: base.positions(y) if base.name == "cross_entropy" else y.numel()),
+     None, "defect", "∂loss/∂output without the 1/N of the mean"),
+    ("factor-two-missing", _loss_slip(lambda base, y: 0.5), lambda n: n.loss == "mse", "defect",
+     "∂loss/∂output = (y − t)/N: the 2 of the square forgotten"),
+    ("bias-one-sample", lambda n: {op: _Slipped(OPS[op], _bias_one_sample) for op in ("conv2d", "linear")},
+     lambda n: bool(n.bias_names), "defect", "bias gradients summed over the first image of the batch only"),
+    ("mask-wrong-layer", _mask_wrong_layer, _two_relus_alike, "defect",
+     "the first ReLU's backward uses another ReLU's mask"),
+    ("padding-offset", lambda n: {"conv2d": _Slipped(OPS["conv2d"], _shifted_windows)}, lambda n: bool(_convs(n)),
+     "defect", "weight gradients with the halo on one side: windows one pixel off"),
+    ("last-row-skipped", lambda n: {"conv2d": _Slipped(OPS["conv2d"], _edge_skipped(row=True, first=False))},
+     lambda n: bool(_convs(n)), "defect", "weight-gradient loop over image rows stops one row short"),
+    ("first-column-skipped", lambda n: {_first_conv(n).index: _Slipped(OPS["conv2d"], _edge_skipped(row=False, first=True))},
+     lambda n: bool(_convs(n)), "defect", "the first convolution's weight gradient ignores the first image column"),
+    ("upsample-backward-first-only", lambda n: {"upsample_nearest": _Slipped(OPS["upsample_nearest"], _upsample_first_only)},
+     _has_op("upsample_nearest"), "defect", "upsample backward takes each block's first gradient instead of their sum"),
+    ("skip-no-gradient", lambda n: {"add": _Slipped(OPS["add"], _skip_no_gradient)}, _has_op("add"), "defect",
+     "the skip connection (add's `from`) gets no gradient"),
+    ("cross-entropy-summed", lambda n: {"loss": _SummedCrossEntropy(LOSSES["cross_entropy"])},
+     lambda n: n.loss == "cross_entropy", "defect", "cross-entropy summed over samples instead of averaged"),
 ]:
-    register(Candidate(name=_name, description=_text, run=_slipped(**{_slip: True}), family="defect", expected="defect"))
+    register(Candidate(name=_name, description=_text, run=_slipped(_rules), family="defect", expected=_expected,
+                       applies=_applies))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,7 +439,7 @@ for _name, _slip, _text in [
 def _rewritten(rewrite):
     def run(problem: Problem, precision: str, device: torch.device) -> Result:
         result = forward_backward(problem, precision, device)
-        result.grads = rewrite(dict(result.grads))
+        result.grads = rewrite(problem.network, dict(result.grads))
         return result
 
     return run
@@ -285,109 +447,98 @@ def _rewritten(rewrite):
 
 def _store_as(layout: str):
     # the program writes the OIHW gradient in `layout` but declares OIHW: the buffer is misread
-    def rewrite(grads):
-        return {n: (to_layout(g, layout).reshape(g.shape) if n in WEIGHT_NAMES else g) for n, g in grads.items()}
+    def rewrite(network, grads):
+        return {n: (to_layout(g, layout).reshape(g.shape) if g.ndim == 4 else g) for n, g in grads.items()}
 
     return rewrite
 
 
-def _flip_h(grads):
-    return {n: (np.ascontiguousarray(g[:, :, ::-1, :]) if n in WEIGHT_NAMES else g) for n, g in grads.items()}
+def _flip_h(network, grads):
+    return {n: (np.ascontiguousarray(g[:, :, ::-1, :]) if g.ndim == 4 else g) for n, g in grads.items()}
 
 
-def _wrong_layer(grads):
-    # conv1's slot filled with conv3's gradient (same 144 values, reshaped): an index slip
-    grads["conv1.weight"] = grads["conv3.weight"].reshape(grads["conv1.weight"].shape).copy()
+def _flip_hw(network, grads):
+    return {n: (np.ascontiguousarray(g[:, :, ::-1, ::-1]) if g.ndim == 4 else g) for n, g in grads.items()}
+
+
+def _same_size_weights(network):
+    weights = network.weight_names
+    return next(((a, b) for a in weights for b in weights if a != b
+                 and math.prod(network.param_shapes[a]) == math.prod(network.param_shapes[b])), None)
+
+
+def _wrong_layer(network, grads):
+    # one weight slot filled with another's gradient of the same size (reshaped): an index slip
+    first, other = _same_size_weights(network)
+    grads[first] = grads[other].reshape(grads[first].shape).copy()
     return grads
 
 
-#: the element a lost atomic update hits; its sum is split over SPLIT_K blocks (split-K, as GEMM
-#: weight-gradient kernels parallelise batch·H·W) and one block's partial sum is lost
+def _kernel_with(network, test) -> bool:
+    return any(len(s) == 4 and test(s) for s in network.param_shapes.values())
+
+
+for _name, _rewrite, _applies, _expected, _detail, _text in [
+    ("weight-grad-transposed-hw", _store_as("OIWH"), lambda n: _kernel_with(n, lambda s: s[2] > 1 or s[3] > 1),
+     "layout", "layout OIWH", "weight gradients written with H and W swapped"),
+    ("weight-grad-swapped-in-out", _store_as("IOHW"), lambda n: _kernel_with(n, lambda s: s[0] > 1 and s[1] > 1),
+     "layout", "layout IOHW", "weight gradients written (In, Out, H, W)"),
+    ("weight-grad-fortran-order", _store_as("WHIO"), lambda n: _kernel_with(n, lambda s: s[2] * s[3] > 1),
+     "layout", "layout WHIO", "weight gradients written in column-major order (Fortran) but read row-major"),
+    ("weight-grad-flip-h", _flip_h, lambda n: _kernel_with(n, lambda s: s[2] > 1), "layout", "flip H",
+     "weight gradients flipped vertically (bottom-up image rows)"),
+    ("weight-grad-flip-hw", _flip_hw, lambda n: _kernel_with(n, lambda s: s[2] > 1 and s[3] > 1), "layout", "flip HW",
+     "weight gradients flipped in H and W (a convolution where a correlation belongs)"),
+    ("wrong-layer-gradient", _wrong_layer, lambda n: _same_size_weights(n) is not None, "defect", None,
+     "a weight gradient slot filled with another layer's"),
+]:
+    register(Candidate(name=_name, description=_text, run=_rewritten(_rewrite), family="defect",
+                       expected=_expected, expected_detail=_detail, applies=_applies))
+
+
+#: a lost atomic update: one element's sum is split over SPLIT_K blocks (split-K, as GEMM weight-gradient
+#: kernels parallelise batch·H·W) and one block's partial sum is lost
 LOST_UPDATE_ELEMENT = (3, 5, 1, 1)
 SPLIT_K = 32
 
 
+def _lost_update_layer(network):
+    convs = [layer for layer in _convs(network) if layer.attrs["groups"] == 1]
+    return max(convs, key=lambda layer: layer.attrs["in"] * layer.attrs["out"]) if convs else None
+
+
 def _lost_update(problem: Problem, precision: str, device: torch.device) -> Result:
+    network = problem.network
+    layer = _lost_update_layer(network)
     trace = forward_backward(problem, precision, device, keep_trace=True)
-    o, i, kh, kw = LOST_UPDATE_ELEMENT
-    a, g = trace.activations[1], trace.output_grads[1]
-    h, w = a.shape[2:]
-    # the middle block of SPLIT_K (in batch·H·W order) of one element's sum never lands
-    terms = F.pad(a, (PADDING,) * 4)[:, i, kh:kh + h, kw:kw + w].reshape(-1) * g[:, o].reshape(-1)
-    block = terms.numel() // SPLIT_K
+    shape = network.param_shapes[f"{layer.name}.weight"]
+    element = tuple(min(i, s - 1) for i, s in zip(LOST_UPDATE_ELEMENT, shape))
+    o, i, kh, kw = element
+    a, g = trace.value(layer.inputs[0]), trace.grad_at(layer.index)
+    attrs = layer.attrs
+    cols = F.unfold(a[:, i:i + 1], attrs["kernel"], dilation=attrs["dilation"], padding=attrs["padding"],
+                    stride=attrs["stride"])[:, kh * attrs["kernel"][1] + kw]  # (N, L)
+    terms = (cols * g[:, o].reshape(g.shape[0], -1)).reshape(-1)
+    block = max(1, terms.numel() // SPLIT_K)
     lost = float(terms[SPLIT_K // 2 * block:(SPLIT_K // 2 + 1) * block].sum())
-    grad = trace.grads["conv2.weight"].copy()
-    grad[LOST_UPDATE_ELEMENT] -= lost
-    trace.grads["conv2.weight"] = grad
-    return Result(trace.loss, trace.grads, trace.output, trace.dtype, trace.meta)
+    name = f"{layer.name}.weight"
+    grad = trace.grads[name].copy()
+    grad[element] -= lost
+    grads = dict(trace.grads, **{name: grad})
+    return Result(trace.loss, grads, trace.output, trace.dtype, trace.meta)
 
 
-for _name, _rewrite, _expected, _detail, _text in [
-    ("weight-grad-transposed-hw", _store_as("OIWH"), "layout", "layout OIWH", "weight gradients written with H and W swapped"),
-    ("weight-grad-swapped-in-out", _store_as("IOHW"), "layout", "layout IOHW", "weight gradients written (In, Out, H, W)"),
-    ("weight-grad-fortran-order", _store_as("WHIO"), "layout", "layout WHIO",
-     "weight gradients written in column-major order (Fortran) but read row-major"),
-    ("weight-grad-flip-h", _flip_h, "layout", "flip H", "weight gradients flipped vertically (bottom-up image rows)"),
-    ("wrong-layer-gradient", _wrong_layer, "defect", None, "conv1's weight gradient slot filled with conv3's"),
-]:
-    register(Candidate(name=_name, description=_text, run=_rewritten(_rewrite), family="defect",
-                       expected=_expected, expected_detail=_detail))
+register(Candidate(name="lost-atomic-update", description="one weight-gradient element misses one of its 32 "
+                   "split-K partial sums (a lost atomic add)", run=_lost_update, family="defect", expected="defect",
+                   applies=lambda n: _lost_update_layer(n) is not None))
 
-register(Candidate(name="lost-atomic-update", description="one conv2 weight-gradient element misses one of its 32 "
-                   "split-K partial sums (a lost atomic add)", run=_lost_update, family="defect", expected="defect"))
+register(Candidate(name="bf16-emulated", description="bfloat16 operands (float32 accumulation), claimed as float32",
+                   run=emulated("bfloat16"), family="defect", expected="reduced-precision", expected_detail="bfloat16"))
 
+register(Candidate(name="tf32-weight-grad-only", description="TF32 operands in the weight-gradient sums only "
+                   "(cuDNN's TF32 in backward-filter kernels), claimed as float32",
+                   run=emulated("tf32", passes=("weight_grad",)), family="defect", expected="reduced-precision",
+                   expected_detail="tf32"))
 
-def _bf16(problem: Problem, precision: str, device: torch.device) -> Result:
-    if precision == "float64":
-        return forward_backward(problem, "float64", device)
-    return forward_backward(problem, "float32", device, round_inputs=lambda a: formats.round_to(a, "bfloat16"))
-
-
-register(Candidate(name="bf16-emulated", description="bfloat16 convolution operands (float32 accumulation), claimed as "
-                   "float32", run=_bf16, family="defect", expected="reduced-precision", expected_detail="bfloat16"))
-
-__all__ = ["SUMMATION_ORDERS", "OrderedWeightGradConv", "Slips", "slipped_forward_backward", "sum_blocked",
-           "sum_kahan", "sum_pairwise", "sum_sequential", "judge_zoo", "confusion_matrix"]
-
-
-# ---------------------------------------------------------------------------------------------
-# the lab judging its own zoo
-
-
-def judge_zoo(problem: Problem, device: str | torch.device = "cpu", names: list[str] | None = None):
-    """Judge every built-in candidate with an expected verdict: one row each (a tidy DataFrame).
-
-    Columns: candidate, family, expected, expected_detail, verdict, detail, correct, worst_ratio.
-    `correct` needs the verdict and, when one is expected, the transform or format it names.
-    """
-    import pandas as pd
-
-    from ..reference import reference
-    from ..verdict import judge
-    from . import registry
-
-    from ..errmodel import attach_parameters
-
-    trace = attach_parameters(reference(problem, device), problem.params)
-    rows = []
-    for candidate in registry().values():
-        if candidate.expected is None or not candidate.supports(device) or (names and candidate.name not in names):
-            continue
-        judgement = judge(candidate.compute(problem, "float32", device), trace, candidate.claimed_precision,
-                          candidate.name)
-        detail = judgement.layout_fix or judgement.format
-        correct = judgement.verdict == candidate.expected and candidate.expected_detail in (None, detail)
-        rows.append({"candidate": candidate.name, "family": candidate.family, "expected": candidate.expected,
-                     "expected_detail": candidate.expected_detail, "verdict": judgement.verdict, "detail": detail,
-                     "correct": correct, "worst_ratio": max(q.bound_ratio for q in judgement.quantities.values())})
-    return pd.DataFrame(rows)
-
-
-def confusion_matrix(table):
-    """Expected verdict (rows) × verdict given (columns) counts from `judge_zoo`'s table."""
-    import pandas as pd
-
-    from ..verdict import VERDICTS
-
-    return pd.crosstab(table["expected"], table["verdict"]).reindex(index=list(VERDICTS), columns=list(VERDICTS),
-                                                                    fill_value=0)
+__all__ = ["SUMMATION_ORDERS", "OrderedWeightGrad", "SplitKWeightGrad", "sum_blocked", "sum_kahan", "sum_pairwise",
+           "sum_sequential"]

@@ -9,7 +9,7 @@ runs `fn` under torch.profiler and returns the kernels that ran.
 from __future__ import annotations
 
 from .algorithms import DirectConv, FFTConv, Im2colConv, WinogradConv
-from .backends import NATIVE_BACKENDS, NativeBackend, native_flags, record_kernels
+from .backends import NATIVE_BACKENDS, NativeBackend, NativeConv, native_flags, record_kernels
 from .selection import GOALS, select
 
 #: the hand-written algorithms, each a legitimate implementation with its own summation order
@@ -35,4 +35,4 @@ def algorithm_names() -> list[str]:
 
 
 __all__ = ["ALGORITHMS", "GOALS", "NATIVE_BACKENDS", "DirectConv", "FFTConv", "Im2colConv", "NativeBackend",
-           "WinogradConv", "algorithm_names", "get_algorithm", "native_flags", "record_kernels", "select"]
+           "NativeConv", "WinogradConv", "algorithm_names", "get_algorithm", "native_flags", "record_kernels", "select"]

@@ -6,7 +6,34 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..problem import NativeConv
+import torch.nn.functional as F
+
+from ..ops import SEED_CONV
+
+
+class NativeConv:
+    """PyTorch's own convolution kernels (cuDNN on GPU, oneDNN or ATen on CPU), for any conv2d shape.
+
+    Called with the ConvOps protocol of the hand-written algorithms (3×3, stride 1, padding 1:
+    forward(x, w), input_grad(g, w), weight_grad(x, g)) or with a layer's attributes and shapes.
+    """
+
+    name = "native"
+    any_shape = True
+
+    def forward(self, x, w, attrs=None):
+        a = attrs or SEED_CONV
+        return F.conv2d(x, w, None, a["stride"], a["padding"], a["dilation"], a["groups"])
+
+    def input_grad(self, grad_out, w, attrs=None, input_shape=None):
+        a = attrs or SEED_CONV
+        shape = input_shape or (grad_out.shape[0], w.shape[1] * a["groups"], grad_out.shape[2], grad_out.shape[3])
+        return torch.nn.grad.conv2d_input(shape, w, grad_out, a["stride"], a["padding"], a["dilation"], a["groups"])
+
+    def weight_grad(self, x, grad_out, attrs=None, weight_shape=None):
+        a = attrs or SEED_CONV
+        shape = weight_shape or (grad_out.shape[1], x.shape[1] // a["groups"], *a["kernel"])
+        return torch.nn.grad.conv2d_weight(x, shape, grad_out, a["stride"], a["padding"], a["dilation"], a["groups"])
 
 
 def _has_fp32_precision_api() -> bool:
@@ -74,17 +101,17 @@ class NativeBackend(NativeConv):
     description: str = "PyTorch native convolution with the flags as they are"
     flags: dict = field(default_factory=dict)
 
-    def forward(self, x, w):
+    def forward(self, x, w, attrs=None):
         with native_flags(**self.flags):
-            return super().forward(x, w)
+            return super().forward(x, w, attrs)
 
-    def input_grad(self, grad_out, w):
+    def input_grad(self, grad_out, w, attrs=None, input_shape=None):
         with native_flags(**self.flags):
-            return super().input_grad(grad_out, w)
+            return super().input_grad(grad_out, w, attrs, input_shape)
 
-    def weight_grad(self, x, grad_out):
+    def weight_grad(self, x, grad_out, attrs=None, weight_shape=None):
         with native_flags(**self.flags):
-            return super().weight_grad(x, grad_out)
+            return super().weight_grad(x, grad_out, attrs, weight_shape)
 
 
 NATIVE_BACKENDS = {backend.name: backend for backend in (

@@ -14,9 +14,11 @@ import torch
 from tqdm import tqdm
 
 from ..candidates import Candidate, CandidateError, resolve
+from ..compute import Trace
 from ..device import resolve_device
+from ..model import load_model
 from ..paths import ROOT
-from ..problem import Problem, Trace, make_problem
+from ..problem import Problem, make_problem
 from ..reference import reference
 
 _REFERENCE_CACHE: "OrderedDict[tuple, Trace]" = OrderedDict()
@@ -36,8 +38,9 @@ def progress(iterable=None, **kwargs):
     return tqdm(iterable, **kwargs)
 
 
-def candidates_for(names: list[str], device: torch.device) -> tuple[list[Candidate], list[str]]:
-    """Resolve candidate specs; those the device cannot run are skipped with a note saying why.
+def candidates_for(names: list[str], device: torch.device, network=None) -> tuple[list[Candidate], list[str]]:
+    """Resolve candidate specs; those the device cannot run, or that mean nothing for the network, are
+    skipped with a note saying why.
 
     Relative YAML or bundle paths resolve against the repository root when they are not found
     from the working directory (papermill runs notebooks from wherever the CLI was started).
@@ -45,10 +48,12 @@ def candidates_for(names: list[str], device: torch.device) -> tuple[list[Candida
     chosen, skipped = [], []
     for name in names:
         candidate = resolve(name, base_dir=ROOT)
-        if candidate.supports(device):
-            chosen.append(candidate)
-        else:
+        if not candidate.supports(device):
             skipped.append(f"{candidate.name}: needs {' or '.join(candidate.devices)}, this run is on {device.type}")
+        elif network is not None and not candidate.applies_to(network):
+            skipped.append(f"{candidate.name}: does not apply to the network {network.name!r}")
+        else:
+            chosen.append(candidate)
     if not chosen:
         raise CandidateError(f"none of the candidates {names} can run on {device.type}")
     return chosen, skipped
@@ -56,7 +61,8 @@ def candidates_for(names: list[str], device: torch.device) -> tuple[list[Candida
 
 def _problem_key(problem: Problem, device: torch.device) -> tuple:
     digest = tuple(float(np.float64(v.sum())) for v in problem.params.values())
-    return (problem.size, problem.batch, problem.seed, problem.source, str(device), digest)
+    return (problem.height, problem.width, problem.batch, problem.seed, problem.source, problem.targets,
+            repr(problem.network.spec), str(device), digest)
 
 
 def cached_reference(problem: Problem, device: torch.device) -> Trace:
@@ -70,10 +76,16 @@ def cached_reference(problem: Problem, device: torch.device) -> Trace:
     return _REFERENCE_CACHE[key]
 
 
-def setup(device: str = "auto", size: int = 1024, batch: int = 2, seed: int = 0,
-          image: str | None = None) -> tuple[torch.device, Problem]:
-    """What every notebook does first: resolve the device, build the problem."""
-    return resolve_device(device), make_problem(size, batch, seed, image)
+def network_for(model=None):
+    """The network a notebook's `model` parameter names: None or 'seed' (the seed CNN), a spec file
+    (relative paths against the repository root too), or a spec mapping."""
+    return load_model(model, base_dir=ROOT)
+
+
+def setup(device: str = "auto", size=1024, batch: int = 2, seed: int = 0,
+          image: str | None = None, model=None) -> tuple[torch.device, Problem]:
+    """What every notebook does first: resolve the device, build the problem (of the `model` network)."""
+    return resolve_device(device), make_problem(size, batch, seed, image, network=network_for(model))
 
 
 def summary_row(candidate: str, experiment: str, verdict: str, headline: str, **extra) -> dict:

@@ -17,8 +17,9 @@ import torch
 
 from ..conv import get_algorithm, record_kernels
 from ..conv.backends import native_flags
-from ..errmodel import attach_parameters
-from ..problem import PARAM_NAMES, forward_backward, make_problem
+from ..compute import forward_backward
+from ..ops import Kernels
+from ..problem import make_problem
 from ..verdict import judge
 from . import cached_reference, progress, summary_row
 
@@ -36,21 +37,23 @@ def timed_run(problem, algorithm: str, device: torch.device):
     conv = get_algorithm(algorithm)
     _synchronize(device)
     start = time.perf_counter()
-    result = forward_backward(problem, "float32", device, conv=conv)
+    result = forward_backward(problem, "float32", device, kernels=Kernels(conv=conv, name=algorithm))
     _synchronize(device)
     return result, time.perf_counter() - start
 
 
-def sweep(sizes: list[int], algorithms: list[str], device: torch.device, batch: int = 2, seed: int = 0) -> pd.DataFrame:
-    """Per size × algorithm × parameter gradient: error ÷ bound, max error, the verdict, and run time."""
+def sweep(sizes: list[int], algorithms: list[str], device: torch.device, batch: int = 2, seed: int = 0,
+          network=None) -> pd.DataFrame:
+    """Per size × algorithm × parameter gradient: error ÷ bound, max error, the verdict, and run time.
+    An algorithm runs the network's 3×3 stride-1 convolutions; its other layers run natively."""
     rows = []
     for size in progress(sizes, desc="sizes"):
-        problem = make_problem(size, batch, seed)
-        trace = attach_parameters(cached_reference(problem, device), problem.params)
+        problem = make_problem(size, batch, seed, network=network)
+        trace = cached_reference(problem, device)
         for algorithm in algorithms:
             result, seconds = timed_run(problem, algorithm, device)
             judgement = judge(result, trace, "float32", algorithm)
-            for name in PARAM_NAMES:
+            for name in problem.network.parameter_names:
                 q = judgement.quantities[name]
                 rows.append({"algorithm": algorithm, "size": size, "batch": batch, "quantity": name,
                              "n_terms": batch * size * size, "bound_ratio": q.bound_ratio,

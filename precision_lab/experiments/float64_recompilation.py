@@ -19,7 +19,7 @@ import torch
 
 from ..candidates import Candidate
 from ..formats import unit_roundoff
-from ..problem import PARAM_NAMES, Problem
+from ..problem import Problem
 from ..verdict import judge
 from . import cached_reference, progress, summary_row
 
@@ -53,7 +53,7 @@ def recompilation_table(problem: Problem, candidates: list[Candidate], device: t
         quantities = [("loss", np.float64(result32.loss), np.float64(ref.loss),
                        None if result64 is None else np.float64(result64.loss))]
         quantities += [(name, result32.grads[name], ref.grads[name],
-                        None if result64 is None else result64.grads[name]) for name in PARAM_NAMES]
+                        None if result64 is None else result64.grads[name]) for name in problem.network.parameter_names]
         for name, got32, want, got64 in quantities:
             err32 = _max_err(got32, want)
             err64 = math.nan if got64 is None else _max_err(got64, want)

@@ -14,8 +14,8 @@ import pandas as pd
 import torch
 
 from ..candidates import get_builtin
-from ..errmodel import attach_parameters, error_bounds
-from ..problem import WEIGHT_NAMES, Problem
+from ..errmodel import error_bounds
+from ..problem import Problem
 from ..verdict import Judgement, judge
 from . import cached_reference, summary_row
 
@@ -51,7 +51,7 @@ def replay(problem: Problem, device: torch.device) -> tuple[pd.DataFrame, dict[s
     `<name>_max_abs`/`<name>_mean_abs` (against PyTorch float32, as the seed measured) and
     `bound_max` (the error model's largest per-element float32 bound for the quantity).
     """
-    trace = attach_parameters(cached_reference(problem, device), problem.params)
+    trace = cached_reference(problem, device)
     pytorch = get_builtin(PYTORCH).compute(problem, "float32", device)
     bounds = error_bounds(trace, "float32")
     table = SEED_TABLE.copy()
@@ -87,7 +87,7 @@ def summarise(table: pd.DataFrame, judgements: dict[str, Judgement]) -> pd.DataF
     """One summary row per replay: verdict, and the headline that the index shows."""
     rows = []
     for name, judgement in judgements.items():
-        weights = table[table.quantity.isin(WEIGHT_NAMES)]
+        weights = table[table.quantity.str.endswith(".weight")]
         headline = (f"{judgement.headline()}; weight-gradient differences from PyTorch "
                     f"{weights[f'{name}_max_abs'].min():.2g}-{weights[f'{name}_max_abs'].max():.2g} "
                     f"(seed: {weights.seed_max_abs.min():.2g}-{weights.seed_max_abs.max():.2g})")

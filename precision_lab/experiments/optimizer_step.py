@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 from ..candidates import Candidate
-from ..problem import PARAM_NAMES, Problem
+from ..problem import Problem
 from ..reference import reference
 from ..verdict import judge
 from . import cached_reference, progress
@@ -55,7 +55,7 @@ def _sup_rel(a: np.ndarray, b: np.ndarray) -> float:
 def _optimizer_step(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], dtype: torch.dtype,
                     optimizer: str, lr: float) -> dict[str, np.ndarray]:
     """One step of torch.optim.SGD or Adam (default betas, ε) on copies of `params`, in `dtype`."""
-    tensors = {name: torch.tensor(np.asarray(params[name]), dtype=dtype) for name in PARAM_NAMES}
+    tensors = {name: torch.tensor(np.asarray(value), dtype=dtype) for name, value in params.items()}
     for name, tensor in tensors.items():
         tensor.grad = torch.tensor(np.asarray(grads[name]), dtype=dtype)
     opt_class = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
@@ -79,7 +79,7 @@ def single_step(problem: Problem, candidates: list[Candidate], device: torch.dev
         judgements[candidate.name] = judge(result, ref, candidate.claimed_precision, candidate.name)
         cand_sgd = _optimizer_step(w0, result.grads, torch.float32, "sgd", lr)
         cand_adam = _optimizer_step(w0, result.grads, torch.float32, "adam", adam_lr)
-        for name in PARAM_NAMES:
+        for name in problem.network.parameter_names:
             g, g_ref = np.asarray(result.grads[name], np.float64), ref.grads[name]
             w_new, w_new_ref = cand_sgd[name].astype(np.float64), ref_sgd[name]
             # the update as the optimizer forms it (lr·g in the candidate's float32), before it is added
@@ -131,7 +131,8 @@ def trajectories(problem: Problem, candidates: list[Candidate], envelope: list[C
     """
     def ref_step(params):
         # the float64 trajectory: float64 weights, no rounding to float32 between steps
-        return reference(Problem(problem.input, problem.target, params, problem.seed, problem.source), device)
+        return reference(Problem(problem.input, problem.target, params, problem.seed, problem.source, problem.network,
+                                 problem.targets), device)
 
     ref_records = _trajectory(ref_step, problem, steps, lr, torch.float64, "float64")
     members = {c.name: c for c in envelope} | {c.name: c for c in candidates}
@@ -144,8 +145,8 @@ def trajectories(problem: Problem, candidates: list[Candidate], envelope: list[C
 
         records = _trajectory(cand_step, problem, steps, lr, torch.float32, name)
         for (step, loss, weights), (_, ref_loss, ref_weights) in zip(records, ref_records):
-            diff = np.sqrt(sum(np.sum((weights[k] - ref_weights[k]) ** 2) for k in PARAM_NAMES))
-            norm = np.sqrt(sum(np.sum(ref_weights[k] ** 2) for k in PARAM_NAMES))
+            diff = np.sqrt(sum(np.sum((weights[k] - ref_weights[k]) ** 2) for k in ref_weights))
+            norm = np.sqrt(sum(np.sum(ref_weights[k] ** 2) for k in ref_weights))
             role = "both" if name in envelope_names and name in candidate_names else (
                 "envelope" if name in envelope_names else "candidate")
             rows.append({"member": name, "role": role, "step": step, "loss": loss, "loss_ref": ref_loss,

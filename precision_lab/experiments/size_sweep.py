@@ -24,9 +24,11 @@ import torch
 from .. import errmodel
 from ..candidates import Candidate
 from ..formats import unit_roundoff
-from ..problem import PARAM_NAMES, make_problem
-from ..verdict import judge, noise_floor
-from . import cached_reference, progress, summary_row
+from ..calibration import noise_floor
+from ..model import ModelSpecError
+from ..problem import make_problem
+from ..verdict import judge
+from . import cached_reference, network_for, progress, summary_row  # noqa: F401 - network_for for notebook 03
 
 EXPERIMENT = "03-size-sweep"
 
@@ -35,20 +37,32 @@ EXPERIMENT = "03-size-sweep"
 DEFECT_REL_TO_GRAD = 10 * unit_roundoff("bfloat16")
 
 
+def sizes_for(sizes: list[int], network) -> tuple[list[int], list[str]]:
+    """The sweep's sizes the network takes, and a note for each it cannot (a stride or pool that does not divide)."""
+    kept, notes = [], []
+    for size in sizes:
+        try:
+            network.check_size(size, size)
+            kept.append(size)
+        except ModelSpecError as exc:
+            notes.append(f"size {size} skipped: {exc}")
+    return kept, notes
+
+
 def sweep(sizes: list[int], candidates: list[Candidate], device: torch.device, batch: int = 2, seed: int = 0,
-          image: str | None = None) -> pd.DataFrame:
+          image: str | None = None, network=None) -> pd.DataFrame:
     """Per size × candidate × gradient: errors against S, |g| and the model's bound."""
     rows = []
     u32 = unit_roundoff("float32")
     for size in progress(sizes, desc="03 sizes", unit="size"):
-        problem = make_problem(size, batch, seed, image)
+        problem = make_problem(size, batch, seed, image, network=network)
         ref = cached_reference(problem, device)
         abs_sums = errmodel.abs_term_sums(ref)
         n = batch * size * size
         for candidate in progress(candidates, desc=f"03 size {size}", unit="candidate", leave=False):
             result = candidate.compute(problem, "float32", device)
             judgement = judge(result, ref, candidate.claimed_precision, candidate.name)
-            for name in PARAM_NAMES:
+            for name in problem.network.parameter_names:
                 err = np.abs(np.asarray(result.grads[name], np.float64) - ref.grads[name])
                 s = np.asarray(abs_sums[name], np.float64)
                 live = s > 0
@@ -114,10 +128,10 @@ def summarise(table: pd.DataFrame, fits: pd.DataFrame) -> pd.DataFrame:
 
 
 def noise_floor_at(size: int, device: torch.device, members: list[str], batch: int = 2, seed: int = 0,
-                   image: str | None = None) -> pd.DataFrame:
+                   image: str | None = None, network=None) -> pd.DataFrame:
     """The empirical noise floor at one size: legitimate float32 members and their spread, ÷ the model's bound.
 
-    Reuses the reference the sweep computed at that size (precision_lab.verdict.noise_floor).
+    Reuses the reference the sweep computed at that size (precision_lab.calibration.noise_floor).
     """
-    problem = make_problem(size, batch, seed, image)
+    problem = make_problem(size, batch, seed, image, network=network)
     return noise_floor(problem, device, reference=cached_reference(problem, device), members=tuple(members))

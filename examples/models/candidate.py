@@ -1,0 +1,201 @@
+"""A command candidate for any network of the model spec, written with PyTorch (not with precision-lab).
+
+Usage: python candidate.py REQUEST_DIR RESPONSE_DIR [--slip NAME] [--intermediates]
+
+Reads the request bundle (bundle.json with its `model`, arrays.npz), builds the network the spec
+describes (seed form or layer form), runs one forward and backward in the request's precision with
+autograd, and writes the response bundle: loss, `<param>.grad` in the request's weight layout,
+the output and, with --intermediates, every named layer's output and output gradient.
+
+`--slip` plants one realistic bug, so each example shows what the lab says about it:
+
+  flip        weight gradients written spatially flipped (a convolution/correlation mix-up)
+  ohwi        weight gradients written in OHWI order while the request's layout is declared
+  mask        every ReLU's backward passes the gradient unmasked
+  upsample    nearest-upsample backward takes each block's first gradient instead of their sum
+  skip        an `add` skip connection passes no gradient to the layer it came from
+  sum-ce      cross-entropy summed over samples instead of averaged
+  tf32        every convolution and linear operand rounded to TF32 (10 mantissa bits), still claimed float32
+"""
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+SLIPS = ("flip", "ohwi", "mask", "upsample", "skip", "sum-ce", "tf32")
+
+
+def expand(spec):
+    """The layer form of a spec (the seed form expanded: conv1, act1, conv2, …)."""
+    if "layers" in spec:
+        return spec
+    channels = spec["channels"]
+    layers = []
+    for k in range(len(channels) - 1):
+        layers.append({"name": f"conv{k + 1}", "op": "conv2d", "in": channels[k], "out": channels[k + 1],
+                       "kernel": spec.get("kernel_size", 3), "padding": spec.get("padding", 0),
+                       "bias": spec.get("bias", True)})
+        if k < len(channels) - 2:
+            layers.append({"name": f"act{k + 1}", "op": spec.get("activation", "relu")})
+    return {"input_channels": channels[0], "layers": layers, "loss": spec.get("loss", "mse")}
+
+
+def pair(value, default):
+    value = default if value is None else value
+    return tuple(value) if isinstance(value, list) else (value, value)
+
+
+class UnmaskedReLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g  # the slip: no mask
+
+
+class FirstOnlyUpsample(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sh, sw):
+        ctx.scale = (sh, sw)
+        return x.repeat_interleave(sh, 2).repeat_interleave(sw, 3)
+
+    @staticmethod
+    def backward(ctx, g):
+        sh, sw = ctx.scale
+        return g[:, :, ::sh, ::sw], None, None  # the slip: one gradient per block, not their sum
+
+
+def tf32(t):
+    """Round float32 values to TF32 (10 stored mantissa bits, round to nearest even)."""
+    if t.dtype != torch.float32:
+        return t
+    bits = t.contiguous().view(torch.int32)
+    rounded = (bits + 0xFFF + ((bits >> 13) & 1)) & ~0x1FFF
+    return rounded.view(torch.float32)
+
+
+class RoundedOperands(torch.autograd.Function):
+    """Identity whose forward and backward round to TF32: every operand of a sum seen at 10 bits."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return tf32(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return tf32(g)
+
+
+def run(layers, loss_name, x, target, params, slip, keep):
+    """Forward through the layers, the loss; returns (loss, output, named outputs)."""
+    outputs, named = {-1: x}, {}
+    names = {layer.get("name"): i for i, layer in enumerate(layers) if layer.get("name")}
+    rnd = RoundedOperands.apply if slip == "tf32" else (lambda t: t)
+    for i, layer in enumerate(layers):
+        a, op, h = layer, layer["op"], outputs[i - 1]
+        if op == "conv2d":
+            w, b = params[f"{a['name']}.weight"], params.get(f"{a['name']}.bias")
+            y = F.conv2d(rnd(h), rnd(w), b, pair(a.get("stride"), 1), pair(a.get("padding"), 0),
+                         pair(a.get("dilation"), 1), a.get("groups", 1))
+        elif op == "linear":
+            y = F.linear(rnd(h), rnd(params[f"{a['name']}.weight"]), params.get(f"{a['name']}.bias"))
+        elif op == "relu":
+            y = UnmaskedReLU.apply(h) if slip == "mask" else torch.relu(h)
+        elif op == "leaky_relu":
+            y = F.leaky_relu(h, a.get("slope", 0.01))
+        elif op == "tanh":
+            y = torch.tanh(h)
+        elif op == "sigmoid":
+            y = torch.sigmoid(h)
+        elif op == "gelu":
+            y = F.gelu(h, approximate=a.get("approximate", "none"))
+        elif op in ("max_pool2d", "avg_pool2d"):
+            kernel = pair(a["kernel"], None)
+            stride = pair(a.get("stride"), None) if a.get("stride") is not None else kernel
+            pool = F.max_pool2d if op == "max_pool2d" else F.avg_pool2d
+            y = pool(h, kernel, stride, pair(a.get("padding"), 0))
+        elif op == "upsample_nearest":
+            sh, sw = pair(a["scale"], None)
+            y = FirstOnlyUpsample.apply(h, sh, sw) if slip == "upsample" else h.repeat_interleave(sh, 2).repeat_interleave(sw, 3)
+        elif op == "add":
+            other = outputs[names[a["from"]]]
+            y = h + (other.detach() if slip == "skip" else other)
+        elif op == "concat":
+            y = torch.cat([h, outputs[names[a["from"]]]], dim=1)
+        elif op == "flatten":
+            y = h.flatten(1)
+        else:
+            raise SystemExit(f"candidate.py: op {op!r} is not implemented here")
+        if keep and a.get("name"):
+            y.retain_grad()
+            named[a["name"]] = y
+        outputs[i] = y
+    out = outputs[len(layers) - 1]
+    if loss_name == "mse":
+        loss = F.mse_loss(out, target)
+    else:
+        loss = F.cross_entropy(out, target, reduction="sum" if slip == "sum-ce" else "mean")
+    return loss, out, named
+
+
+def to_layout(w, layout):
+    """A canonical weight (OIHW, or OI for linear) in `layout` (for 2-D weights: its order of O and I)."""
+    canonical = "OIHW" if w.ndim == 4 else "OI"
+    letters = layout if w.ndim == 4 else "".join(c for c in layout if c in "OI")
+    return np.ascontiguousarray(np.transpose(w, [canonical.index(c) for c in letters]))
+
+
+def from_layout(w, layout):
+    canonical = "OIHW" if w.ndim == 4 else "OI"
+    letters = layout if w.ndim == 4 else "".join(c for c in layout if c in "OI")
+    return np.ascontiguousarray(np.transpose(w, [letters.index(c) for c in canonical]))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("request", type=Path)
+    parser.add_argument("response", type=Path)
+    parser.add_argument("--slip", choices=SLIPS)
+    parser.add_argument("--intermediates", action="store_true")
+    args = parser.parse_args()
+    manifest = json.loads((args.request / "bundle.json").read_text())
+    spec = expand(manifest["model"])
+    dtype = {"float64": torch.float64}.get(manifest["precision"], torch.float32)
+    layout = manifest["weight_layout"]
+    with np.load(args.request / "arrays.npz", allow_pickle=False) as arrays:
+        data = {k: arrays[k] for k in arrays.files}
+    x = torch.from_numpy(data.pop("input")).to(dtype)
+    target = torch.from_numpy(data.pop("target"))
+    target = target if spec.get("loss") == "cross_entropy" else target.to(dtype)
+    params = {name: torch.from_numpy(from_layout(value, layout) if value.ndim in (2, 4) else value).to(dtype)
+              .requires_grad_(True) for name, value in data.items()}
+    loss, out, named = run(spec["layers"], spec.get("loss", "mse"), x, target, params, args.slip, args.intermediates)
+    loss.backward()
+    store = np.float64 if dtype == torch.float64 else np.float32
+    response = {"loss": np.asarray(loss.item(), store), "output": out.detach().numpy().astype(store)}
+    for name, value in params.items():
+        grad = value.grad.numpy().astype(store)
+        if grad.ndim == 4 and args.slip == "flip":
+            grad = grad[:, :, ::-1, ::-1]
+        if grad.ndim == 4 and args.slip == "ohwi":  # the buffer holds OHWI, whatever the request declared
+            written = to_layout(grad, "OHWI").reshape(to_layout(grad, layout).shape)
+        else:
+            written = to_layout(grad, layout) if grad.ndim in (2, 4) else grad
+        response[f"{name}.grad"] = written
+    for name, value in named.items():
+        response[f"{name}.output"] = value.detach().numpy().astype(store)
+        response[f"{name}.output.grad"] = value.grad.numpy().astype(store)
+    args.response.mkdir(parents=True, exist_ok=True)
+    np.savez(args.response / "arrays.npz", **response)
+    (args.response / "bundle.json").write_text(json.dumps({
+        "format": "precision-lab/bundle-1", "kind": "response", "precision": manifest["precision"],
+        "weight_layout": layout}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The lab judging itself: the zoo's confusion matrix and the empirical noise floor.
+
+These read the candidates (precision_lab.candidates) and the verdicts (precision_lab.verdict),
+which never read them back: the flow stays one way.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import torch
+
+from . import errmodel
+from .candidates import registry
+from .compare import quantity_arrays
+from .problem import Problem
+from .reference import reference as make_reference
+from .verdict import VERDICTS, judge
+
+
+def judge_zoo(problem: Problem, device: str | torch.device = "cpu", names: list[str] | None = None,
+              **judge_options) -> pd.DataFrame:
+    """Judge every built-in candidate with an expected verdict that applies to the problem's network:
+    one row each.
+
+    Columns: candidate, family, expected, expected_detail, verdict, detail, correct, worst_ratio, cause.
+    `correct` needs the verdict and, when one is expected, the transform or format it names.
+    """
+    trace = make_reference(problem, device)
+    rows = []
+    for candidate in registry().values():
+        if (candidate.expected is None or not candidate.supports(device) or not candidate.applies_to(problem.network)
+                or (names and candidate.name not in names)):
+            continue
+        judgement = judge(candidate.compute(problem, "float32", device), trace, candidate.claimed_precision,
+                          candidate.name, **judge_options)
+        detail = judgement.layout_fix or judgement.format
+        correct = judgement.verdict == candidate.expected and candidate.expected_detail in (None, detail)
+        rows.append({"candidate": candidate.name, "family": candidate.family, "expected": candidate.expected,
+                     "expected_detail": candidate.expected_detail, "verdict": judgement.verdict, "detail": detail,
+                     "correct": correct, "worst_ratio": max(q.bound_ratio for q in judgement.quantities.values()),
+                     "cause": judgement.cause})
+    return pd.DataFrame(rows)
+
+
+def confusion_matrix(table: pd.DataFrame) -> pd.DataFrame:
+    """Expected verdict (rows) × verdict given (columns) counts from `judge_zoo`'s table."""
+    return pd.crosstab(table["expected"], table["verdict"]).reindex(index=list(VERDICTS), columns=list(VERDICTS),
+                                                                    fill_value=0)
+
+
+def noise_floor(problem: Problem, device="cpu", reference=None, members: tuple[str, ...] | None = None) -> pd.DataFrame:
+    """An ensemble of legitimate float32 computations and their spread, beside the model's bound.
+
+    One row per (quantity, member) with the member's max |error| and error ÷ bound against the
+    float64 reference, plus a row per quantity for ``member="ensemble-spread"``: the largest
+    element-wise spread (max − min over members) and its ratio to the bound.
+    """
+    reference = reference if reference is not None else make_reference(problem, device)
+    bounds = errmodel.error_bounds(reference, "float32")
+    legit = [c for c in registry().values() if c.family == "legitimate" and c.claimed_precision == "float32"
+             and c.supports(device) and c.applies_to(problem.network) and (members is None or c.name in members)]
+    if len(legit) < 5:
+        raise ValueError(f"noise floor needs at least 5 legitimate float32 members, found {[c.name for c in legit]}")
+    names = errmodel.quantities(problem.network)
+    rows, stacks = [], {name: [] for name in names}
+    for candidate in legit:
+        pairs = quantity_arrays(candidate.compute(problem, "float32", device), reference)
+        for name, (got, ref) in pairs.items():
+            stacks[name].append(got)
+            rows.append(_floor_row(name, candidate.name, np.abs(got - ref), bounds[name]))
+    for name, stack in stacks.items():
+        if stack:
+            spread = np.ptp(np.stack(stack), axis=0)
+            rows.append(_floor_row(name, "ensemble-spread", spread, bounds[name]))
+    return pd.DataFrame(rows)
+
+
+def _floor_row(name: str, member: str, deviation: np.ndarray, bound: errmodel.QuantityBound) -> dict:
+    return {"quantity": name, "member": member, "max_abs_err": float(np.max(deviation)),
+            "bound_ratio": float(np.max(deviation / bound.bound)), "bound_max": bound.max, "n_terms": bound.n}

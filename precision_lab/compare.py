@@ -1,0 +1,111 @@
+"""Comparison of a candidate's result with the float64 reference, quantity by quantity.
+
+A quantity is the loss, the network output, or one parameter gradient (canonical layout).
+`measure` gives every evidence number of one quantity against its error bound (precision_lab.
+errmodel): max/mean absolute and relative error, error ÷ bound, ULPs, cosine similarity, sign
+agreement, how many elements exceed the bound. The verdict it sets is provisional (`roundoff`
+within the bound, else `defect`); the doctors (precision_lab.doctors) may then explain it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import formats
+from .compute import Result, Trace
+
+
+class ComparisonError(ValueError):
+    """A result that cannot be compared (a missing gradient, a wrong size): names the quantity."""
+
+
+@dataclass
+class QuantityVerdict:
+    """One quantity's verdict and the evidence behind it (errors against the float64 reference)."""
+
+    quantity: str
+    verdict: str
+    max_abs_err: float
+    mean_abs_err: float
+    max_rel_err: float
+    bound_ratio: float  # max over elements of |error| / bound at the claimed precision
+    ulps: float  # max distance in units in the last place of the storage format
+    cosine: float
+    sign_agreement: float
+    layout_fix: str | None = None
+    format: str | None = None
+    n_terms: int = 0
+    size: int = 0
+    exceeding: int = 0  # elements beyond the claimed bound
+    second_ratio: float = 0.0  # the second-largest error ÷ bound (is the worst element alone?)
+    bound_max: float = 0.0
+    relu_flips: int = 0
+    cause: str | None = None  # the named defect hypothesis, when one fits
+    evidence: str = ""
+
+
+def quantity_arrays(result: Result, reference: Trace) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(candidate, reference) float64 arrays for each quantity the result has, in canonical shapes."""
+    who = result.meta.get("candidate", "the candidate")
+    pairs = {"loss": (np.asarray(result.loss, np.float64), np.asarray(reference.loss, np.float64))}
+    if result.output is not None:
+        pairs["output"] = (same_size(result.output, reference.output, "output", who),
+                           np.asarray(reference.output, np.float64))
+    for name in reference.network.parameter_names:
+        if name not in result.grads:
+            raise ComparisonError(f"result of {who} has no gradient {name!r}")
+        pairs[name] = (same_size(result.grads[name], reference.grads[name], name, who),
+                       np.asarray(reference.grads[name], np.float64))
+    return pairs
+
+
+def same_size(got, ref, name: str, who: str = "the candidate") -> np.ndarray:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref)
+    if got.size != ref.size:
+        raise ComparisonError(f"{who}: {name} has {got.size} values (shape {got.shape}), expected {ref.size} "
+                              f"(shape {ref.shape})")
+    return got.reshape(ref.shape)  # a buffer of the right size: the layout doctor reads its order
+
+
+def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, storage: str = "float32") -> QuantityVerdict:
+    """Every evidence number of one quantity; the verdict is provisional (roundoff iff within bound)."""
+    err = np.abs(got - ref)
+    ratio = err / bound
+    finite = bool(np.all(np.isfinite(got)))
+    nonzero = ref != 0
+    norms = float(np.linalg.norm(got)) * float(np.linalg.norm(ref))
+    q = QuantityVerdict(
+        quantity=name, verdict="roundoff" if finite and float(ratio.max()) <= 1.0 else "defect",
+        max_abs_err=float(err.max()), mean_abs_err=float(err.mean()),
+        max_rel_err=float((err / np.maximum(np.abs(ref), np.finfo(np.float64).tiny)).max()),
+        bound_ratio=float(ratio.max()) if finite else math.inf,
+        ulps=max_ulps(got, ref, storage) if finite else math.inf,
+        cosine=float(np.dot(got.ravel(), ref.ravel()) / norms) if norms > 0 and finite else float(np.array_equal(got, ref)),
+        sign_agreement=float(np.mean(np.sign(got[nonzero]) == np.sign(ref[nonzero]))) if nonzero.any() else 1.0,
+        size=int(ref.size), exceeding=int(np.sum(~(ratio <= 1.0))), bound_max=float(bound.max()),
+        second_ratio=float(np.partition(ratio.ravel(), -2)[-2]) if ratio.size > 1 and finite else 0.0)
+    if not finite:
+        q.evidence = "non-finite values (NaN or inf)"
+    return q
+
+
+def max_ulps(got: np.ndarray, ref: np.ndarray, storage: str) -> float:
+    """Max ULPs of `storage` at each element's magnitude, floored at the tensor's RMS magnitude.
+
+    The floor keeps near-zero elements (cancelled sums) from counting ulps of a tiny number.
+    """
+    rms = float(np.sqrt(np.mean(ref * ref)))
+    magnitude = np.where(np.abs(ref) < rms, np.copysign(rms, ref), ref)
+    return float(np.max(formats.ulp_distance(got - ref + magnitude, magnitude, storage)))
+
+
+def compare(result: Result, reference: Trace, bounds: dict, storage: str) -> dict[str, QuantityVerdict]:
+    """Every quantity of `result` measured against the reference and its bound."""
+    out = {}
+    for name, (got, ref) in quantity_arrays(result, reference).items():
+        q = measure(name, got, ref, bounds[name].bound, storage)
+        q.n_terms, q.relu_flips = bounds[name].n, bounds[name].relu_flips
+        out[name] = q
+    return out

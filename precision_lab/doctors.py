@@ -1,0 +1,730 @@
+"""The doctors: what explains a quantity beyond its bound (DESIGN.md, "Explaining a verdict").
+
+Each reads the comparisons (precision_lab.compare) and the float64 reference and writes its
+findings into the judgement; none changes an earlier stage.
+
+* `layouts` — the layout doctor, by buffer: a gradient read as the candidate wrote it (its
+  declared layout's shape, C or F order) is tried in every layout it could hold, with every flip
+  of H and W; the fix is named in words a Fortran or CUDA programmer can apply.
+* `precision` — a coarser format: beyond the claimed bound, the format whose emulated error level
+  matches the forward output's; inside it, the precision fingerprint: the correlation of the
+  candidate's error with each format's emulated error, per quantity and pass, against the same
+  correlation of legitimate float32 orders (the measured null).
+* `defects` — named hypotheses recomputed in float64 and tested against the bound: a constant
+  factor, one sample of the batch only, a one-pixel shift, a missing activation mask, a
+  pre-activation used for a post-activation, another layer's mask or gradient, stale weights, a
+  missing image row, column or tile.
+* `localise` — with intermediates in the response, each op re-run in float64 on the candidate's
+  own inputs against its local bound, the first that fails named; else the earliest failing
+  quantity in backprop order.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import torch
+
+from . import errmodel, formats
+from .compare import ComparisonError, quantity_arrays
+from .compute import GradBuffer, Result, Trace, forward_backward, layer_params
+from .layout import canonical_for, from_layout, layout_for, shape_in_layout
+from .ops import OPS, BoundContext, Field, GradField, Kernels
+
+#: formats a result may fall back to, finest first (float32 counts for a float64 claim)
+FALLBACK_FORMATS = ("float32", "tf32", "float16", "bfloat16")
+
+#: a format names the errors when its emulated output error is within this factor of the
+#: candidate's: √32, the geometric midpoint between tf32's u = 2⁻¹¹ and bf16's u = 2⁻⁸
+FORMAT_MATCH_FACTOR = math.sqrt(32.0)
+
+#: below this many elements a single exceedance cannot be told from a broad precision loss
+MIN_ELEMENTS_FOR_OUTLIER_TEST = 8
+
+#: the precision fingerprint and the recomputing hypotheses run when a problem has at most this many
+#: image elements (batch·H·W) on a CPU, about 0.3 s per float32 forward + backward of the seed network
+#: on 2 cores (a GPU runs them at any size); above it the diagnosis's probes carry them
+RECOMPUTE_LIMIT = 2 * 256 * 256
+
+#: the fingerprint names a format when the candidate's error correlates with the format's own emulated
+#: error (emulated − plain float32, so only what the format adds) at least this much: r² ≥ 0.9, nine tenths
+#: of the error explained. Measured (benchmarks/sensitivity.py --fingerprint): legitimate float32 orders
+#: reach 0.82 (FFT convolution, conv3.weight, whose errors are propagated forward errors along a few
+#: directions), TF32 candidates with another accumulation order ≥ 0.96 at 24²–61² ...
+FINGERPRINT_MIN = 0.95
+#: ... and beyond the largest correlation of a measured legitimate float32 order plus FINGERPRINT_Z standard
+#: errors of a correlation of m independent pairs (1/√m): five, a one-in-3-million chance under the null
+FINGERPRINT_Z = 5.0
+#: correlations need this many elements to mean anything
+FINGERPRINT_MIN_ELEMENTS = 16
+
+#: passes an emulated format may act in (DESIGN.md, "Precision fingerprint")
+PASSES = ("all", "forward", "input_grad", "weight_grad")
+
+
+def _recompute_allowed(reference: Trace, requested: bool | None) -> bool:
+    if requested is not None:
+        return requested
+    problem = reference.problem
+    return reference.device.type == "cuda" or problem.batch * problem.height * problem.width <= RECOMPUTE_LIMIT
+
+
+# ---------------------------------------------------------------------------------------------
+# the layout doctor, by buffer
+
+
+def transforms(ndim: int) -> list[tuple[str, tuple[str, ...]]]:
+    """Every (layout a buffer may hold, flipped axes) for a weight of `ndim` dimensions."""
+    canonical = canonical_for(ndim)
+    flips = [(), ("H",), ("W",), ("H", "W")] if ndim == 4 else [()]
+    return [("".join(p), f) for p in itertools.permutations(canonical) for f in flips]
+
+
+def transform_name(held: str, declared: str, flipped: tuple[str, ...]) -> str:
+    """'layout OHWI', 'flip HW', 'layout IOHW + flip HW' (the layout named only when it differs)."""
+    parts = ([f"layout {held}"] if held != declared else []) + ([f"flip {''.join(flipped)}"] if flipped else [])
+    return " + ".join(parts)
+
+
+def buffer_of(result: Result, name: str, got: np.ndarray) -> GradBuffer:
+    """The gradient as written: the bundle's buffer when it came through one, else the canonical array."""
+    if name in result.buffers:
+        return result.buffers[name]
+    return GradBuffer(np.ascontiguousarray(got).ravel(), canonical_for(got.ndim), "C")
+
+
+def read_buffer(buffer: GradBuffer, canonical_shape, held: str, flipped: tuple[str, ...]) -> np.ndarray:
+    """The buffer read as holding `held` (in the candidate's own index order), back to canonical, unflipped."""
+    c_layout = held if buffer.order == "C" else held[::-1]  # Fortran order is C order of the reversed axes
+    array = buffer.flat.reshape(shape_in_layout(canonical_shape, c_layout))
+    canonical = from_layout(array, c_layout)
+    axes = tuple(canonical_for(len(canonical_shape)).index(a) for a in flipped)
+    return np.flip(canonical, axis=axes) if axes else canonical
+
+
+def layout_fits(buffer: GradBuffer, ref: np.ndarray, bound: np.ndarray) -> list[tuple[str, tuple[str, ...]]]:
+    """Transforms that bring the buffer within `bound` of `ref`, simplest first (the declared reading excluded)."""
+    declared = layout_for(ref.ndim, buffer.declared) if len(buffer.declared) == 4 else buffer.declared
+    candidates = [(held, flipped) for held, flipped in transforms(ref.ndim) if (held, flipped) != (declared, ())]
+    candidates.sort(key=lambda c: (sum(a != b for a, b in zip(c[0], declared)) + len(c[1]), c))
+    fits = []
+    for held, flipped in candidates:
+        fixed = read_buffer(buffer, ref.shape, held, flipped)
+        if float(np.max(np.abs(fixed - ref) / bound)) <= 1.0:
+            fits.append((held, flipped))
+    return fits
+
+
+def layout_advice(name: str, buffer: GradBuffer, held: str, flipped: tuple[str, ...], ndim: int) -> str:
+    """The fix in words: what the buffer holds, and how to declare or convert it."""
+    declared = layout_for(ndim, buffer.declared) if len(buffer.declared) == 4 else buffer.declared
+    order = "Fortran (column-major) order" if buffer.order == "F" else "C (row-major) order"
+    steps = []
+    if held != declared:
+        permutation = tuple(held.index(c) for c in declared)
+        steps.append(f"the buffer holds {held} but is declared {declared} ({order}): declare weight_layout "
+                     f"{held if len(buffer.declared) != 4 or ndim == 4 else buffer.declared}, or transpose it to "
+                     f"{declared} before writing (numpy: g.transpose{permutation})")
+    if flipped:
+        axes = " and ".join(flipped)
+        steps.append(f"it is reversed along {axes}: flip {axes} before writing (a convolution where cuDNN and "
+                     f"PyTorch compute a cross-correlation, or a flip in the conversion)")
+    return f"{name}.grad: " + "; ".join(steps)
+
+
+def layouts(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
+    """Name the layout of every weight gradient beyond its bound that some transform fixes."""
+    for name, q in judgement.quantities.items():
+        if q.verdict == "roundoff" or not math.isfinite(q.bound_ratio) or not name.endswith(".weight"):
+            continue
+        got, ref = pairs[name]
+        if ref.ndim not in (2, 4):
+            continue
+        buffer = buffer_of(result, name, got)
+        fits = layout_fits(buffer, ref, bounds[name].bound)
+        if not fits:
+            continue
+        declared = layout_for(ref.ndim, buffer.declared) if len(buffer.declared) == 4 else buffer.declared
+        names = [transform_name(held, declared, flipped) for held, flipped in fits]
+        q.verdict, q.layout_fix = "layout", names[0]
+        judgement.layout_options[name] = names
+        q.evidence = f"matches within the bound after: {', '.join(names[:4])}"
+        if judgement.layout_advice is None:
+            judgement.layout_advice = layout_advice(name, buffer, fits[0][0], fits[0][1], ref.ndim)
+
+
+# ---------------------------------------------------------------------------------------------
+# reduced precision: the format's bound plus its error level, and the fingerprint
+
+
+def emulate(reference: Trace, precision: str, passes: str = "all") -> Result:
+    """The reference's problem computed in float32 with sum operands rounded to `precision` in `passes`."""
+    cache = reference.meta.setdefault("emulations", {})
+    key = (precision, passes)
+    if key not in cache:
+        if precision == "float32":
+            kernels = Kernels()
+        else:
+            chosen = Kernels.PASSES if passes == "all" else (passes,)
+            kernels = Kernels(round_operands=lambda a: formats.round_to(a, precision), rounded_passes=chosen,
+                              name=f"{precision}-emulated")
+        cache[key] = forward_backward(reference.problem, "float32", reference.device, kernels=kernels)
+    return cache[key]
+
+
+def _rms_error(got, ref) -> float:
+    return float(np.sqrt(np.mean((np.asarray(got, np.float64) - ref) ** 2)))
+
+
+def fallbacks(claimed: str) -> list[str]:
+    u = formats.unit_roundoff(claimed)
+    return [f for f in FALLBACK_FORMATS if formats.unit_roundoff(f) > u]
+
+
+def name_format(pairs, reference: Trace, claimed: str, witnesses: list[str]) -> tuple[str | None, str]:
+    """The coarser format whose emulated error level matches the result's, with the evidence line.
+
+    The witness is the forward output when the result has one (a format acts there too),
+    else the gradients beyond the claimed bound (median of their error-level ratios).
+    """
+    witness = ["output"] if "output" in pairs else witnesses
+    best, best_distance, levels = None, math.inf, []
+    for fmt in fallbacks(claimed):
+        emulated = quantity_arrays(emulate(reference, fmt), reference)
+        ratios = [_rms_error(*pairs[w]) / max(_rms_error(*emulated[w]), np.finfo(float).tiny) for w in witness]
+        level = float(np.median(ratios))
+        levels.append(f"{fmt} {level:.3g}×")
+        distance = abs(math.log(level)) if level > 0 else math.inf
+        if distance < best_distance:
+            best, best_distance = fmt, distance
+    text = f"error level of {'/'.join(witness)} ÷ emulated format: " + ", ".join(levels)
+    if best is None or best_distance > math.log(FORMAT_MATCH_FACTOR):
+        return None, text + " (no format within a factor √32)"
+    return best, text
+
+
+def _is_isolated(q) -> bool:
+    """One element beyond the bound, standing a format step (FORMAT_MATCH_FACTOR) above the next:
+    a coarser format raises every element's error together, so it cannot make such an outlier."""
+    if q.exceeding != 1 or q.size < MIN_ELEMENTS_FOR_OUTLIER_TEST:
+        return False
+    return q.bound_ratio > FORMAT_MATCH_FACTOR * q.second_ratio
+
+
+def precision(judgement, result: Result, reference: Trace, pairs, bounds, fingerprint: bool | None = None) -> None:
+    """Name a coarser format for excesses a format explains (its level + its bound), then look for a fingerprint
+    inside the bound.
+
+    A single element far above all others (`_is_isolated`) is no witness of a format — a precision mode acts on
+    every element — but once the output shows a format, it is excused when that format's bound holds it (a
+    ReLU the format flipped moves one channel's sum alone)."""
+    quantities = judgement.quantities
+    beyond = [n for n, q in quantities.items() if q.verdict == "defect" and math.isfinite(q.bound_ratio)]
+    isolated = [n for n in beyond if _is_isolated(quantities[n])]
+    for name in isolated:
+        quantities[name].evidence = (f"a single element of {quantities[name].size} is beyond the bound "
+                                     f"(error ÷ bound {quantities[name].bound_ratio:.3g}), a format step above all "
+                                     "others: a precision mode acts on every element")
+    broad = [n for n in beyond if n not in isolated]
+    if broad and fallbacks(judgement.claimed_precision):
+        if "output" in quantities and quantities["output"].verdict == "roundoff":
+            judgement.evidence.append("the forward output is within the claimed bound: no coarser format acts here")
+        else:
+            fmt, level_text = name_format(pairs, reference, judgement.claimed_precision, broad)
+            judgement.evidence.append(level_text)
+            if fmt is not None:
+                fmt_bounds = errmodel.error_bounds(reference, fmt)
+                output_shows = "output" in quantities and "output" in broad
+                for name in broad + (isolated if output_shows else []):
+                    got, ref = pairs[name]
+                    ratio = float(np.max(np.abs(got - ref) / fmt_bounds[name].bound))
+                    q = quantities[name]
+                    if ratio <= 1.0:
+                        q.verdict, q.format = "reduced-precision", fmt
+                        q.evidence = f"within the {fmt} bound (error ÷ bound {ratio:.3g})"
+                    else:
+                        q.evidence = f"beyond even the {fmt} bound (error ÷ bound {ratio:.3g})"
+    if fallbacks(judgement.claimed_precision) and _recompute_allowed(reference, fingerprint):
+        _fingerprint(judgement, pairs, reference)
+    elif fallbacks(judgement.claimed_precision):
+        judgement.evidence.append(f"precision fingerprint not computed at {reference.problem.size_text}, batch "
+                                  f"{reference.problem.batch} on {reference.device.type} (the probes carry it)")
+
+
+def _correlation(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.ravel() - a.mean(), b.ravel() - b.mean()
+    norm = float(np.linalg.norm(a) * np.linalg.norm(b))
+    return float(np.dot(a, b) / norm) if norm > 0 else 0.0
+
+
+def _null_members(reference: Trace) -> dict[str, Result]:
+    """Legitimate float32 orders for the null: the layered native kernels, and micro-batches of one sample."""
+    cache = reference.meta.setdefault("null_members", {})
+    if not cache:
+        problem = reference.problem
+        cache["layered-native"] = emulate(reference, "float32")
+        parts = [forward_backward(problem.with_batch(b, b + 1), "float32", reference.device)
+                 for b in range(problem.batch)]
+        cache["micro-batched"] = _combine_micro_batches(parts, problem)
+    return cache
+
+
+def _combine_micro_batches(parts: list[Result], problem) -> Result:
+    """Per-sample results as one batch's: each loss is a mean over its own positions, averaged over samples."""
+    weights = np.full(len(parts), 1.0 / len(parts), np.float32)
+    grads = {name: sum(np.float32(w) * p.grads[name] for w, p in zip(weights, parts)).astype(np.float32)
+             for name in parts[0].grads}
+    loss = float(np.sum(np.array([p.loss for p in parts], np.float32) * weights))
+    return Result(loss, grads, np.concatenate([p.output for p in parts]), "float32", {"conv": "micro-batched"})
+
+
+def _fingerprint(judgement, pairs, reference: Trace) -> None:
+    """Correlate the candidate's error with emulated coarser formats per quantity and pass, against the null."""
+    nulls = {name: quantity_arrays(member, reference) for name, member in _null_members(reference).items()}
+    plain = quantity_arrays(emulate(reference, "float32"), reference)
+    named = {}
+    for fmt in [f for f in fallbacks(judgement.claimed_precision) if f in ("tf32", "bfloat16")]:
+        for passes in PASSES:
+            emulated = quantity_arrays(emulate(reference, fmt, passes), reference)
+            for name, (got, ref) in pairs.items():
+                if ref.size < FINGERPRINT_MIN_ELEMENTS or name == "loss":
+                    continue
+                direction = emulated[name][0] - plain[name][0]  # what the format adds, not float32's own error
+                if not np.any(direction):
+                    continue
+                r = _correlation(got - ref, direction)
+                null = max(abs(_correlation(members[name][0] - ref, direction)) for members in nulls.values())
+                threshold = max(FINGERPRINT_MIN, null + FINGERPRINT_Z / math.sqrt(ref.size))
+                row = {"format": fmt, "pass": passes, "quantity": name, "correlation": r, "null": null,
+                       "threshold": threshold, "conclusive": r >= threshold}
+                judgement.fingerprint.append(row)
+                if row["conclusive"] and (name not in named or r > named[name]["correlation"]):
+                    named[name] = row
+    for name, row in named.items():
+        q = judgement.quantities[name]
+        if q.verdict in ("roundoff", "defect") and not q.layout_fix:
+            inside = q.verdict == "roundoff"
+            q.verdict, q.format = "reduced-precision", row["format"]
+            where = f"inside the {judgement.claimed_precision} bound (error ÷ bound {q.bound_ratio:.3g})" if inside \
+                else f"error ÷ bound {q.bound_ratio:.3g}"
+            q.evidence = (f"{where}, but the error correlates r = {row['correlation']:.3f} with emulated {row['format']} "
+                          f"({row['pass'].replace('_', '-')} pass); legitimate float32 orders reach {row['null']:.3f}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the defect doctor: named hypotheses recomputed in float64
+
+
+#: a local hypothesis is computed from the reference's float32-stored intermediates: it may differ
+#: from its exact float64 value by 2u₃₂ of S per operand, added to the bound it is tested against
+STORED_SLACK = 2 * formats.UNIT_ROUNDOFF["float32"]
+
+
+def _fit_ratio(got, expected, bound, abs_sum=None) -> float:
+    slack = 0.0 if abs_sum is None else STORED_SLACK * np.asarray(abs_sum)
+    return float(np.max(np.abs(got - expected) / (bound + slack)))
+
+
+def defects(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
+    """Test named hypotheses against every quantity still a defect; name the one that fits."""
+    failing = [n for n, q in judgement.quantities.items() if q.verdict == "defect" and math.isfinite(q.bound_ratio)]
+    if not failing:
+        return
+    tested = []
+    for hypothesis, expected, covers, local in _hypotheses(reference, pairs, failing,
+                                                             _recompute_allowed(reference, None)):
+        fits = {}
+        for name in covers:
+            if name not in failing or name not in expected:
+                continue
+            got = pairs[name][0]
+            ratio = _fit_ratio(got, expected[name], bounds[name].bound, bounds[name].abs_sum if local else None)
+            fits[name] = ratio
+        if not fits:
+            continue
+        explained = sorted(n for n, r in fits.items() if r <= 1.0)
+        tested.append({"hypothesis": hypothesis, "explains": explained,
+                       "best_ratio": min(fits.values()), "quantities": len(fits)})
+        for name in explained:
+            q = judgement.quantities[name]
+            if q.cause is None:
+                q.cause = hypothesis
+                q.evidence = (q.evidence + "; " if q.evidence else "") + (
+                    f"fits '{hypothesis}' (error ÷ bound {fits[name]:.3g} against it)")
+    judgement.hypotheses = tested
+    unexplained = [n for n in failing if judgement.quantities[n].cause is None]
+    if tested:
+        best = max(tested, key=lambda t: (len(t["explains"]), -t["best_ratio"]))
+        if best["explains"]:
+            judgement.cause = best["hypothesis"]
+            judgement.evidence.append(f"defect doctor: '{best['hypothesis']}' fits {', '.join(best['explains'])}")
+    if unexplained:
+        judgement.evidence.append(f"defect doctor: no named hypothesis fits {', '.join(unexplained)} "
+                                  f"({len(tested)} tested)")
+
+
+def _hypotheses(reference: Trace, pairs, failing: list[str], recompute: bool):
+    """(name, expected arrays by quantity, quantities covered, computed from stored values) per hypothesis."""
+    yield from _constant_factors(pairs, failing, reference)
+    yield from _other_parameters(pairs, failing)
+    if recompute:
+        yield from _local_weight_hypotheses(reference, failing)
+        yield from _one_sample(reference, failing)
+        yield from _mask_hypotheses(reference)
+        yield from _routing_hypotheses(reference)
+        yield from _stale_weights(reference, pairs, failing)
+
+
+def _constant_factors(pairs, failing, reference: Trace):
+    """got = c·ref with one c for every failing quantity (a sum for a mean, a missing 2 or 1/N)."""
+    gradient_names = [n for n in failing if n not in ("loss", "output")]
+    if not gradient_names:
+        return
+    num = sum(float(np.dot(pairs[n][0].ravel(), pairs[n][1].ravel())) for n in gradient_names)
+    den = sum(float(np.dot(pairs[n][1].ravel(), pairs[n][1].ravel())) for n in gradient_names)
+    if den == 0:
+        return
+    c = num / den
+    problem = reference.problem
+    out_count = int(np.prod(reference.output.shape))
+    known = {"the number of output elements (a sum where the mean belongs)": out_count,
+             "the batch size (a sum over samples where the mean belongs)": problem.batch,
+             "2": 2.0, "1/2 (the 2 of a square's derivative forgotten)": 0.5,
+             "1/(number of output elements) twice (a mean taken twice)": 1.0 / out_count}
+    label = next((f"scaled by {value:.6g} = {text}" for text, value in known.items()
+                  if abs(c / value - 1) < 1e-3), f"scaled by a constant {c:.6g}")
+    covers = gradient_names + (["loss"] if "loss" in failing else [])
+    yield label, {n: c * pairs[n][1] for n in covers}, covers, False
+
+
+def _other_parameters(pairs, failing):
+    """A gradient slot holding another parameter's gradient (an index slip)."""
+    names = [n for n in pairs if n not in ("loss", "output")]
+    for name in failing:
+        if name in ("loss", "output"):
+            continue
+        for other in names:
+            if other != name and pairs[other][1].size == pairs[name][1].size:
+                yield (f"{name} holds {other}'s gradient", {name: pairs[other][1].reshape(pairs[name][1].shape)},
+                       [name], False)
+
+
+def _local_weight_hypotheses(reference: Trace, failing):
+    """Per conv2d layer with a failing gradient: shifted windows, a missing edge row/column/tile of the upstream
+    gradient, the pre-activation for the post-activation — recomputed in float64 from the stored operands."""
+    network = reference.network
+    for layer in network.parametrised_layers:
+        names = [f"{layer.name}.weight", f"{layer.name}.bias"]
+        if not any(n in failing for n in names) or layer.op != "conv2d":
+            continue
+        a = reference.value(layer.inputs[0]).double()
+        g = reference.grad_at(layer.index).double()
+        attrs = layer.attrs
+        shape = network.param_shapes[f"{layer.name}.weight"]
+        kernels = Kernels()
+
+        def wgrad(x, grad):
+            return kernels.conv_weight_grad(x, grad, attrs, shape).cpu().numpy()
+
+        def expected(grad, x=a):
+            out = {names[0]: wgrad(x, grad)}
+            if names[1] in network.param_shapes:
+                out[names[1]] = grad.sum(dim=(0, 2, 3)).cpu().numpy()
+            return out
+
+        for dy, dx in [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1) if (dy, dx) != (0, 0)]:
+            shifted = torch.roll(a, shifts=(dy, dx), dims=(2, 3))
+            if dy:
+                shifted[:, :, (0 if dy > 0 else -1), :] = 0
+            if dx:
+                shifted[:, :, :, (0 if dx > 0 else -1)] = 0
+            yield f"{layer.name}: windows shifted by ({dy}, {dx}) pixels (a padding offset)", \
+                {names[0]: wgrad(shifted, g)}, [names[0]], True
+        height, width = g.shape[2:]
+        edges = {"first image row": (slice(None), slice(None), slice(0, 1), slice(None)),
+                 "last image row": (slice(None), slice(None), slice(height - 1, height), slice(None)),
+                 "first image column": (slice(None), slice(None), slice(None), slice(0, 1)),
+                 "last image column": (slice(None), slice(None), slice(None), slice(width - 1, width))}
+        for tile in (8, 16, 32):
+            if tile < min(height, width) // 2:
+                edges[f"top-left {tile}×{tile} tile"] = (slice(None), slice(None), slice(0, tile), slice(0, tile))
+                edges[f"bottom-right {tile}×{tile} tile"] = (slice(None), slice(None), slice(height - tile, height),
+                                                            slice(width - tile, width))
+        for text, region in edges.items():
+            masked = g.clone()
+            masked[region] = 0
+            yield f"{layer.name}: the {text} of its upstream gradient skipped", expected(masked), names, True
+        source = network.layers[layer.inputs[0]] if layer.inputs[0] >= 0 else None
+        if source is not None and OPS[source.op].elementwise:
+            pre = reference.value(source.inputs[0]).double()
+            if pre.shape == a.shape:
+                yield (f"{layer.name}: the pre-activation of {source.label} used for its output",
+                       {names[0]: wgrad(pre, g)}, [names[0]], True)
+
+
+def _one_sample(reference: Trace, failing):
+    """Every gradient summed over one sample of the batch only (the mean's 1/N kept)."""
+    problem = reference.problem
+    if problem.batch < 2:
+        return
+    total = problem.batch
+    for b in range(problem.batch):
+        part = forward_backward(problem.with_batch(b, b + 1), "float64", reference.device)
+        scale = 1.0 / total  # each sample's loss is a mean over its own positions, the batch's the mean of those
+        expected = {name: value * scale for name, value in part.grads.items()}
+        yield f"sample {b} of the batch only", expected, list(expected), False
+
+
+def _mask_hypotheses(reference: Trace):
+    """A ReLU's backward without its mask, or with another ReLU's mask (full float64 recomputations)."""
+    network = reference.network
+    relus = [layer for layer in network.layers if layer.op in ("relu", "leaky_relu")]
+    groups = {"every ReLU's backward: mask missing": [layer for layer in relus if layer.op == "relu"],
+              "every ReLU and leaky ReLU backward: mask missing": relus}
+    seen = []
+    for text, group in groups.items():
+        if len(group) > 1 and group not in seen:
+            seen.append(group)
+            rules = {layer.index: _UnmaskedReLU(OPS[layer.op]) for layer in group}
+            result = forward_backward(reference.problem, "float64", reference.device, rules=rules)
+            yield text, result.grads, list(result.grads), False
+    for layer in relus:
+        rules = {layer.index: _UnmaskedReLU(OPS[layer.op])}
+        result = forward_backward(reference.problem, "float64", reference.device, rules=rules)
+        yield f"{layer.label} backward: mask missing", result.grads, list(result.grads), False
+        for other in relus:
+            if other is layer:
+                continue
+            other_z = reference.value(other.inputs[0])
+            mine = reference.value(layer.inputs[0])
+            if other_z.shape != mine.shape:
+                continue
+            rules = {layer.index: _BorrowedMaskReLU(OPS[layer.op], other_z.double())}
+            result = forward_backward(reference.problem, "float64", reference.device, rules=rules)
+            yield (f"{layer.label} backward: masked with {other.label}'s activation", result.grads,
+                   list(result.grads), False)
+
+
+def _routing_hypotheses(reference: Trace):
+    """Backward slips of the routing ops, recomputed in float64: an upsample whose backward takes one gradient
+    per block or averages the block; an add or a concat that passes no gradient to one of its inputs."""
+    network = reference.network
+    for layer in network.layers:
+        if layer.op == "upsample_nearest":
+            for text, backward in (("takes each block's first gradient instead of their sum", _upsample_first),
+                                   ("averages each block's gradients instead of summing them", _upsample_mean)):
+                result = forward_backward(reference.problem, "float64", reference.device,
+                                          rules={layer.index: _Rerouted(OPS[layer.op], backward)})
+                yield f"{layer.label} backward {text}", result.grads, list(result.grads), False
+        elif layer.op in ("add", "concat"):
+            source = network.layers[layer.source].label
+            for which, text in ((1, f"passes no gradient to the skip from {source}"),
+                                (0, "passes no gradient to the main branch")):
+                result = forward_backward(reference.problem, "float64", reference.device,
+                                          rules={layer.index: _Rerouted(OPS[layer.op], _dropping(which))})
+                yield f"{layer.label} backward {text}", result.grads, list(result.grads), False
+
+
+def _upsample_first(op, attrs, g, xs, y, params, kernels, need):
+    sh, sw = attrs["scale"]
+    return [g[:, :, ::sh, ::sw].contiguous() if need[0] else None], {}
+
+
+def _upsample_mean(op, attrs, g, xs, y, params, kernels, need):
+    grads, _ = op.backward(attrs, g, xs, y, params, kernels, need)
+    return [None if h is None else h / (attrs["scale"][0] * attrs["scale"][1]) for h in grads], {}
+
+
+def _dropping(which: int):
+    def backward(op, attrs, g, xs, y, params, kernels, need):
+        grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
+        grads = list(grads)
+        if grads[which] is not None:
+            grads[which] = torch.zeros_like(grads[which])
+        return grads, param_grads
+
+    return backward
+
+
+class _Rerouted:
+    """An op whose backward is replaced (the routing hypotheses); forward unchanged."""
+
+    forward_inplace = None
+    derive_output = None
+    derive_input_grad = None
+    backward_inplace = None
+
+    def __init__(self, op, backward):
+        self.op, self._backward = op, backward
+
+    def forward(self, attrs, xs, params, kernels):
+        return self.op.forward(attrs, xs, params, kernels)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return self._backward(self.op, attrs, g, xs, y, params, kernels, need)
+
+
+def _stale_weights(reference: Trace, pairs, failing):
+    """Gradients at weights one small step away (stale weights): g(w − η·g) ≈ g + (η/s)·(g(w − s·g) − g(w)),
+    the step η fitted by least squares over the failing gradients (one float64 recomputation at s = 10⁻²)."""
+    names = [n for n in failing if n not in ("loss", "output")]
+    if not names:
+        return
+    problem = reference.problem
+    step = 1e-2
+    moved = problem.with_params({n: (problem.params[n] - step * reference.grads[n]).astype(np.float32)
+                                 for n in problem.params})
+    other = forward_backward(moved, "float64", reference.device)
+    direction = {n: other.grads[n] - pairs[n][1] for n in names}
+    den = sum(float(np.sum(d * d)) for d in direction.values())
+    if den == 0:
+        return
+    alpha = sum(float(np.sum((pairs[n][0] - pairs[n][1]) * direction[n])) for n in names) / den
+    if alpha <= 0:
+        return
+    yield (f"stale weights (gradients at weights a step η ≈ {alpha * step:.3g}·g away)",
+           {n: pairs[n][1] + alpha * direction[n] for n in names}, names, False)
+
+
+class _UnmaskedReLU:
+    """A ReLU (or leaky ReLU) whose backward forgot the mask: its forward is the op's own."""
+
+    forward_inplace = None
+    derive_output = None
+    derive_input_grad = None
+    backward_inplace = None
+
+    def __init__(self, op):
+        self.op = op
+
+    def forward(self, attrs, xs, params, kernels):
+        return self.op.forward(attrs, xs, params, kernels)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return [g], {}
+
+
+class _BorrowedMaskReLU(_UnmaskedReLU):
+    """A ReLU whose backward takes another ReLU's mask."""
+
+    def __init__(self, op, source: torch.Tensor):
+        super().__init__(op)
+        self.source = source
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return [g.masked_fill(self.source.to(g.dtype) <= 0, 0.0)], {}
+
+
+# ---------------------------------------------------------------------------------------------
+# localisation
+
+
+def localise(judgement, result: Result, reference: Trace, bounds) -> None:
+    """Name where a failure starts: the first op whose local check fails (with intermediates), else the
+    earliest failing quantity in backprop order."""
+    if judgement_failing(judgement) and result.intermediates:
+        found = _first_failing_op(result, reference, judgement.claimed_precision)
+        if found:
+            judgement.localisation = found
+            if judgement.cause is None and any(q.verdict == "defect" for q in judgement.quantities.values()):
+                judgement.cause = found
+            return
+    if not judgement_failing(judgement):
+        return
+    network = reference.network
+    order = ["loss", "output"] + [f"{layer.name}.{suffix}" for layer in reversed(network.parametrised_layers)
+                                  for suffix in ("weight", "bias") if f"{layer.name}.{suffix}" in network.param_shapes]
+    for name in order:
+        q = judgement.quantities.get(name)
+        if q is not None and q.verdict != "roundoff":
+            judgement.localisation = f"first failing quantity in backprop order: {name}"
+            return
+
+
+def judgement_failing(judgement) -> bool:
+    return any(q.verdict != "roundoff" for q in judgement.quantities.values())
+
+
+def _first_failing_op(result: Result, reference: Trace, claimed: str) -> str | None:
+    """Each op re-run in float64 on the candidate's own intermediates and judged against its local bound."""
+    network = reference.network
+    inter = result.intermediates
+    device = reference.device
+    u = formats.unit_roundoff(errmodel.accumulation_precision(claimed))
+    ctx = BoundContext(claimed, u, errmodel.LAMBDA, errmodel.bound_kernels(device))
+
+    def value(index):
+        if index == -1:
+            return reference.input
+        layer = network.layers[index]
+        key = f"{layer.name}.output" if layer.name else None
+        return torch.as_tensor(inter[key], dtype=torch.float64, device=device) if key in inter else None
+
+    def grad(index):
+        layer = network.layers[index]
+        key = f"{layer.name}.output.grad" if layer.name else None
+        return torch.as_tensor(inter[key], dtype=torch.float64, device=device) if key in inter else None
+
+    params64 = {k: torch.as_tensor(v, dtype=torch.float64, device=device) for k, v in reference.problem.params.items()}
+    with torch.no_grad(), errmodel._ieee(device):
+        for layer in network.layers:  # forward, in order
+            inputs, mine = [value(i) for i in layer.inputs], value(layer.index)
+            if mine is None or any(x is None for x in inputs):
+                continue
+            op = OPS[layer.op]
+            expected = op.forward(layer.attrs, inputs, layer_params(params64, layer), Kernels())
+            fields = [Field(x.to(torch.float32), None, 0) for x in inputs]
+            bound = op.forward_error(layer.attrs, fields, expected.to(torch.float32),
+                                     layer_params(reference.params, layer), ctx).error
+            ratio = _local_ratio(mine, expected, bound, u)
+            if ratio > 1.0:
+                return f"{layer.label} forward: beyond its own rounding bound (error ÷ bound {ratio:.3g})"
+        for layer in reversed(network.layers):  # backward, in backprop order
+            g, inputs = grad(layer.index), [value(i) for i in layer.inputs]
+            if g is None or any(x is None for x in inputs):
+                continue
+            op = OPS[layer.op]
+            need = [i >= 0 and len(network.consumers[i]) == 1 and grad(i) is not None for i in layer.inputs]
+            expected_in, _ = op.backward(layer.attrs, g, inputs, value(layer.index), layer_params(params64, layer),
+                                         Kernels(), need)
+            fields = [Field(x.to(torch.float32), None, 0) for x in inputs]
+            out_field = op.forward_error(layer.attrs, fields, value(layer.index).to(torch.float32),
+                                         layer_params(reference.params, layer), ctx) if op.name in ("relu", "leaky_relu") \
+                else Field(None, None)
+            zero = GradField(torch.zeros_like(g, dtype=torch.float32), None, 0, 0, owned=False)
+            local, _ = op.backward_error(layer.attrs, g.to(torch.float32), zero, fields, out_field,
+                                         layer_params(reference.params, layer), ctx, need)
+            for i, keep, h, field in zip(layer.inputs, need, expected_in, local):
+                if not keep or h is None or field is None:
+                    continue
+                theirs = grad(i)
+                bound = field.error + (field.flips if field.flips is not None else 0.0)
+                ratio = _local_ratio(theirs, h, bound, u)
+                if ratio > 1.0:
+                    return f"{layer.label} backward: {_name_local_slip(layer, g, theirs, h, bound, u)}"
+    return None
+
+
+def _local_ratio(got: torch.Tensor, expected: torch.Tensor, bound, u: float) -> float:
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    floor = max(u * scale, np.finfo(np.float32).tiny)
+    bound = torch.zeros_like(expected) if bound is None else bound
+    return float(((got - expected).abs() / bound.double().clamp(min=floor)).max())
+
+
+def _name_local_slip(layer, g, theirs, expected, bound, u) -> str:
+    """A local slip's name when a simple one fits (a mask missing), else the ratio."""
+    if layer.op in ("relu", "leaky_relu") and _local_ratio(theirs, g, bound + u * g.abs().float(), u) <= 1.0:
+        return "mask missing (the gradient passes unmasked)"
+    if layer.op == "upsample_nearest":
+        sh, sw = layer.attrs["scale"]
+        if _local_ratio(theirs, expected / (sh * sw), bound, u) <= 1.0:
+            return "averages each block's gradient where it should sum it"
+    if not bool(torch.any(theirs != 0)):
+        return "passes no gradient at all"
+    return f"beyond its own rounding bound (error ÷ bound {_local_ratio(theirs, expected, bound, u):.3g})"
+
+
+__all__ = ["FALLBACK_FORMATS", "FORMAT_MATCH_FACTOR", "defects", "emulate", "layouts", "localise", "name_format",
+           "precision", "transforms", "ComparisonError"]

@@ -1,0 +1,342 @@
+"""The op registry: the one place where each op of a model spec is defined (DESIGN.md, "Networks").
+
+Every op is one class registered under its spec name. It says, for itself:
+
+* which attributes it takes and what they default to (`keys`), and checks them (`normalise`);
+* its output shape for given input shapes (`out_shape`, `axis_length`), refusing a size that a
+  stride or pool cannot divide; its parameters and their canonical shapes (`param_shapes`);
+* its forward and its backward in any dtype (`forward`, `backward`), through `Kernels` (which
+  convolution algorithm, which operand rounding), so the same walk gives the float32 candidates,
+  the float64 reference and the emulated formats;
+* its part of the rounding-error model (`forward_error`, `backward_error`): term counts n,
+  absolute-term sums S, how an upstream error propagates through it (ReLU flips within the bound,
+  max-pool switches between near-tied inputs, routing through upsample and concat, add).
+
+`precision_lab.compute` walks a network forward and backward with these rules and
+`precision_lab.errmodel` walks the bounds; nothing else knows op names (tinygrad's
+`pm_gradient` table is the model: adding an op is adding a class here).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import roundoff
+
+#: marks an attribute without a default
+REQUIRED = object()
+
+
+class OpSpecError(ValueError):
+    """An attribute or shape an op cannot take; model.py prefixes the spec and the layer."""
+
+
+# ---------------------------------------------------------------------------------------------
+# attribute helpers
+
+
+def as_pair(value, key: str, minimum: int) -> tuple[int, int]:
+    """An int or [h, w] attribute as a pair of ints ≥ minimum (OpSpecError otherwise)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        pair = (value, value)
+    elif isinstance(value, (list, tuple)) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        pair = (int(value[0]), int(value[1]))
+    else:
+        raise OpSpecError(f"'{key}' is {value!r}: expected an integer or [height, width]")
+    if min(pair) < minimum:
+        raise OpSpecError(f"'{key}' is {value!r}: expected values ≥ {minimum}")
+    return pair
+
+
+def positive_int(value, key: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise OpSpecError(f"'{key}' is {value!r}: expected a positive integer")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# what the error model carries from op to op
+
+
+@dataclass
+class Field:
+    """A tensor of the forward pass as the error model sees it.
+
+    `value`: the exact value (float32 rounding of the float64 reference); `error`: an elementwise
+    bound on |candidate − exact| (None: exact, e.g. the network input); `radius`: how far (in pixels
+    of this tensor's grid) the roundings behind an element's error reach (None: anywhere in the
+    sample, after a flatten); `flips`: ReLU-like decisions upstream that the errors could flip;
+    `memo`: what the op's backward_error needs from its forward_error (flip masks, switches).
+    """
+
+    value: torch.Tensor | None
+    error: torch.Tensor | None
+    radius: int | None = 0
+    flips: int = 0
+    memo: dict = field(default_factory=dict)
+    nonnegative: bool = False  # value ≥ 0 everywhere (a ReLU output): |value| is value itself
+    consumable: bool = False  # set by the walk: the one reader may overwrite `error` (nobody reads it after)
+
+
+@dataclass
+class GradField:
+    """An output gradient's error as the backward walk carries it.
+
+    `error` (E): modelled as mean-zero rounding errors, summed with the dependency bound in long sums;
+    `flips` (F): deterministic errors of flipped ReLUs and switched max-pools (the whole gradient may
+    be passed or blocked), added in absolute value; `radius` as in Field; `flip_count`: flip points
+    upstream of this gradient (evidence).
+    """
+
+    error: torch.Tensor
+    flips: torch.Tensor | None = None
+    radius: int | None = 0
+    flip_count: int = 0
+    owned: bool = True  # False when the same tensors also went to another input (add): never overwrite them
+
+
+@dataclass
+class Parts:
+    """The bound of one quantity (a parameter gradient, the output, the loss), element by element."""
+
+    n: int
+    abs_sum: torch.Tensor  # S
+    accumulation: torch.Tensor  # γ̃ₙ(λ)·S
+    input_rounding: torch.Tensor | float  # reduced-format operand rounding
+    propagated: torch.Tensor | float  # upstream errors entering this sum
+    flips: int = 0
+
+
+@dataclass
+class BoundContext:
+    """What every op's error rule needs: the claimed arithmetic and the bound's own convolutions."""
+
+    precision: str  # the claimed precision (operands rounded when reduced)
+    u: float  # unit roundoff of the accumulation
+    lam: float
+    kernels: "Kernels"  # float32 IEEE convolutions for the bounds
+
+    def gamma(self, n: int) -> float:
+        """γ̃ₙ(λ) at the accumulation's unit roundoff."""
+        return roundoff.probabilistic_gamma(max(1, n), self.u, self.lam)
+
+    def rounding_term(self, op, x, y) -> torch.Tensor | float:
+        return roundoff.rounding_term(op, x, y, self.precision, self.lam)
+
+    def sum_of_errors(self, deterministic, squares, chi: int):
+        return roundoff.sum_of_errors(deterministic, squares, chi, self.lam)
+
+
+# ---------------------------------------------------------------------------------------------
+# the registry
+
+
+class Op:
+    """Base of every op: no attributes, no parameters, shape unchanged, identity rules."""
+
+    name = ""
+    keys: dict = {}
+    parametrised = False
+    combines = False  # reads a second input named by `from`
+    elementwise = False  # output element i depends on input element i only
+
+    def normalise(self, attrs: dict) -> dict:
+        unknown = sorted(set(map(str, attrs)) - set(self.keys))
+        if unknown:
+            allowed = ", ".join(self.keys) or "none"
+            raise OpSpecError(f"unknown key {unknown[0]!r} for op {self.name} (its keys: {allowed})")
+        filled = {}
+        for key, default in self.keys.items():
+            if key in attrs:
+                filled[key] = attrs[key]
+            elif default is REQUIRED:
+                raise OpSpecError(f"op {self.name} needs key {key!r}")
+            else:
+                filled[key] = default
+        return self.check(filled)
+
+    def check(self, attrs: dict) -> dict:
+        return attrs
+
+    def out_shape(self, attrs: dict, in_shapes: list[tuple]) -> tuple:
+        return in_shapes[0]
+
+    def axis_length(self, attrs: dict, lengths: list, axis: int):
+        """Length along spatial `axis` (0: H, 1: W) of the output for input lengths (None: not spatial)."""
+        return lengths[0]
+
+    def param_shapes(self, attrs: dict) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def describe(self, attrs: dict) -> str:
+        return self.name
+
+    # compute -----------------------------------------------------------------------------------
+    def forward(self, attrs, xs: list[torch.Tensor], params: dict, kernels: "Kernels") -> torch.Tensor:
+        raise NotImplementedError
+
+    def backward(self, attrs, g: torch.Tensor, xs: list, y: torch.Tensor, params: dict, kernels: "Kernels",
+                 need: list[bool]) -> tuple[list, dict]:
+        """(gradients of the inputs, None where not needed; parameter gradients by suffix)."""
+        raise NotImplementedError
+
+    # error model ------------------------------------------------------------------------------
+    def forward_error(self, attrs, ins: list[Field], y: torch.Tensor, params: dict, ctx: BoundContext) -> Field:
+        raise NotImplementedError
+
+    def backward_error(self, attrs, g: torch.Tensor, grad: GradField, ins: list[Field], out: Field, params: dict,
+                       ctx: BoundContext, need: list[bool]) -> tuple[list, dict[str, Parts]]:
+        raise NotImplementedError
+
+
+OPS: dict[str, Op] = {}
+LOSSES: dict = {}
+
+
+def register(op: Op) -> Op:
+    if op.name in OPS:
+        raise ValueError(f"op {op.name!r} registered twice")
+    OPS[op.name] = op
+    return op
+
+
+def register_loss(loss) -> object:
+    LOSSES[loss.name] = loss
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# how a computation is carried out: convolution algorithm, operand rounding
+
+
+#: the convolution the hand-written algorithms of precision_lab.conv implement
+SEED_CONV = {"kernel": (3, 3), "stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1}
+
+
+def is_seed_conv(attrs: dict) -> bool:
+    return all(attrs.get(key) == value for key, value in SEED_CONV.items())
+
+
+class Kernels:
+    """The kernels a forward + backward runs on: a convolution algorithm, operand rounding, flags.
+
+    `conv`: a 3×3 stride-1 padding-1 algorithm of precision_lab.conv (ConvOps protocol: forward(x, w),
+    input_grad(g, w), weight_grad(x, g)) used where a conv2d layer has that shape, PyTorch's native
+    kernels elsewhere (None: native everywhere). `round_operands`: applied to both operands of every
+    convolution and linear product in the passes named by `rounded_passes` ("forward", "input_grad",
+    "weight_grad"): TF32/bf16/fp16 emulation. `weight_grad_sum`: an alternative reduction for weight
+    gradients (legitimate summation orders), given the per-term products.
+    """
+
+    PASSES = ("forward", "input_grad", "weight_grad")
+
+    def __init__(self, conv=None, round_operands=None, rounded_passes=PASSES, name: str | None = None,
+                 weight_grad=None):
+        self.conv = conv
+        self.round_operands = round_operands
+        self.rounded_passes = frozenset(rounded_passes)
+        self.weight_grad_override = weight_grad
+        self.name = name or getattr(conv, "name", "native")
+
+    def rnd(self, t: torch.Tensor, pass_name: str) -> torch.Tensor:
+        if self.round_operands is None or pass_name not in self.rounded_passes:
+            return t
+        return self.round_operands(t)
+
+    def _algorithm(self, attrs):
+        """(algorithm, takes attributes): a hand-written 3×3 algorithm only where the layer has that shape."""
+        if self.conv is None:
+            return None, False
+        if getattr(self.conv, "any_shape", False):
+            return self.conv, True
+        return (self.conv, False) if is_seed_conv(attrs) else (None, False)
+
+    def conv_forward(self, x, w, attrs):
+        x, w = self.rnd(x, "forward"), self.rnd(w, "forward")
+        algorithm, general = self._algorithm(attrs)
+        if algorithm is not None:
+            return algorithm.forward(x, w, attrs) if general else algorithm.forward(x, w)
+        return torch.nn.functional.conv2d(x, w, None, attrs["stride"], attrs["padding"], attrs["dilation"],
+                                          attrs["groups"])
+
+    def conv_input_grad(self, g, w, attrs, input_shape):
+        g, w = self.rnd(g, "input_grad"), self.rnd(w, "input_grad")
+        algorithm, general = self._algorithm(attrs)
+        if algorithm is not None:
+            return algorithm.input_grad(g, w, attrs, input_shape) if general else algorithm.input_grad(g, w)
+        return torch.nn.grad.conv2d_input(input_shape, w, g, attrs["stride"], attrs["padding"], attrs["dilation"],
+                                          attrs["groups"])
+
+    def conv_weight_grad(self, x, g, attrs, weight_shape):
+        x, g = self.rnd(x, "weight_grad"), self.rnd(g, "weight_grad")
+        if self.weight_grad_override is not None:
+            return self.weight_grad_override.conv(x, g, attrs, weight_shape)
+        algorithm, general = self._algorithm(attrs)
+        if algorithm is not None:
+            return algorithm.weight_grad(x, g, attrs, weight_shape) if general else algorithm.weight_grad(x, g)
+        return torch.nn.grad.conv2d_weight(x, weight_shape, g, attrs["stride"], attrs["padding"], attrs["dilation"],
+                                           attrs["groups"])
+
+    def linear_forward(self, x, w):
+        return torch.matmul(self.rnd(x, "forward"), self.rnd(w, "forward").T)
+
+    def linear_input_grad(self, g, w):
+        return torch.matmul(self.rnd(g, "input_grad"), self.rnd(w, "input_grad"))
+
+    def linear_weight_grad(self, x, g):
+        x, g = self.rnd(x, "weight_grad"), self.rnd(g, "weight_grad")
+        if self.weight_grad_override is not None:
+            return self.weight_grad_override.linear(x, g)
+        return torch.matmul(g.T, x)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def spread(radius: int | None, reach: int, stride: int = 1) -> int | None:
+    """Radius after an op whose output at q reads inputs within `reach` of stride·q (None stays None)."""
+    return None if radius is None else ceil_div(radius + reach, stride)
+
+
+def gather_radius(radius: int | None, reach: int, stride: int = 1) -> int | None:
+    """Radius of an input gradient: the output-gradient errors within `radius` (output grid) of the
+    outputs that read input p, seen from the input grid (stride·radius + reach)."""
+    return None if radius is None else stride * radius + reach
+
+
+#: flip fields with at most this many non-zeros are convolved point by point, not by a full convolution:
+#: at float32 a few hundred of 33 M elements at 1024² (tests/test_errmodel.py); 2¹⁴·16·9 int64 indices ≈ 19 MB
+SPARSE_LIMIT = 2 ** 14
+
+
+def sparse_enough(count: int) -> bool:
+    """Whether a field of `count` non-zeros goes point by point (SPARSE_LIMIT, read at call time)."""
+    return 0 < count <= SPARSE_LIMIT
+
+
+def sparse_points(t: torch.Tensor | None):
+    """The non-zeros of a flip field as index tensors, when there are few (else None; None for no field)."""
+    if t is None:
+        return None
+    if not sparse_enough(int(torch.count_nonzero(t))):
+        return None
+    return t.nonzero(as_tuple=True)
+
+
+def has_values(t) -> bool:
+    return t is not None and bool(torch.count_nonzero(t))
+
+
+def n_spatial(shape) -> int:
+    return math.prod(shape[2:]) if len(shape) > 2 else 1
+
+
+from . import layers, losses, pointwise, routing  # noqa: E402,F401 - each registers its ops
+
+__all__ = ["BoundContext", "Field", "GradField", "Kernels", "LOSSES", "OPS", "Op", "OpSpecError", "Parts",
+           "REQUIRED", "SEED_CONV", "SPARSE_LIMIT", "has_values", "is_seed_conv", "register", "register_loss",
+           "sparse_points"]

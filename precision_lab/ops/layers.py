@@ -1,0 +1,386 @@
+"""The ops with parameters: conv2d and linear. Each output element is one inner product.
+
+Rounding model (precision_lab.roundoff): a forward output of conv2d sums n = (C_in/groups)·kh·kw
+products (+1 for the bias), an input gradient (C_out/groups)·kh·kw, a weight or bias gradient
+batch·H_out·W_out (conv2d) or batch (linear). S = Σ|terms| is the same operation applied to
+|operands|; the bound of a sum is γ̃ₙ(λ)·S plus reduced-format operand rounding plus the upstream
+errors entering it. Convolutions are linear in each operand, so γ̃·S + conv(E, |W|) is computed
+as one convolution conv(γ̃|a| + E, |W|).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import REQUIRED, BoundContext, Field, GradField, Op, OpSpecError, Parts, as_pair, gather_radius, positive_int
+from . import has_values, register, sparse_points, spread
+from .. import roundoff
+
+
+def _abs(t: torch.Tensor) -> torch.Tensor:
+    return t.abs()
+
+
+class Conv2d(Op):
+    name = "conv2d"
+    keys = {"in": REQUIRED, "out": REQUIRED, "kernel": REQUIRED, "stride": 1, "padding": 0, "dilation": 1,
+            "bias": True, "groups": 1}
+    parametrised = True
+
+    def check(self, attrs):
+        attrs["in"], attrs["out"] = positive_int(attrs["in"], "in"), positive_int(attrs["out"], "out")
+        attrs["kernel"] = as_pair(attrs["kernel"], "kernel", 1)
+        attrs["stride"] = as_pair(attrs["stride"], "stride", 1)
+        attrs["padding"] = as_pair(attrs["padding"], "padding", 0)
+        attrs["dilation"] = as_pair(attrs["dilation"], "dilation", 1)
+        attrs["groups"] = positive_int(attrs["groups"], "groups")
+        if attrs["in"] % attrs["groups"] or attrs["out"] % attrs["groups"]:
+            raise OpSpecError(f"'groups' {attrs['groups']} must divide 'in' {attrs['in']} and 'out' {attrs['out']}")
+        if not isinstance(attrs["bias"], bool):
+            raise OpSpecError(f"'bias' is {attrs['bias']!r}: expected true or false")
+        return attrs
+
+    def out_shape(self, attrs, in_shapes):
+        shape = in_shapes[0]
+        if len(shape) != 3:
+            raise OpSpecError(f"conv2d needs an image (C, H, W) but receives {len(shape)}-D features "
+                              f"(a flatten came before it)")
+        if shape[0] != attrs["in"]:
+            raise OpSpecError(f"receives {shape[0]} channels but declares 'in': {attrs['in']} (channels do not chain)")
+        return (attrs["out"],) + tuple(self.axis_length(attrs, [shape[1 + axis]], axis) for axis in (0, 1))
+
+    def axis_length(self, attrs, lengths, axis):
+        length = lengths[0]
+        if length is None:
+            return None
+        k, s, p, d = (attrs[key][axis] for key in ("kernel", "stride", "padding", "dilation"))
+        side = ("height", "width")[axis]
+        span = length + 2 * p - d * (k - 1)
+        if span < 1:
+            raise OpSpecError(f"input {side} {length} is smaller than its {d * (k - 1) + 1}-pixel kernel window "
+                              f"(padding {p})")
+        if s > 1 and length % s:
+            raise OpSpecError(f"input {side} {length} is not a multiple of the stride {s}: choose an image size the "
+                              f"network's strides divide")
+        return (span - 1) // s + 1
+
+    def param_shapes(self, attrs):
+        kh, kw = attrs["kernel"]
+        shapes = {"weight": (attrs["out"], attrs["in"] // attrs["groups"], kh, kw)}
+        if attrs["bias"]:
+            shapes["bias"] = (attrs["out"],)
+        return shapes
+
+    def describe(self, attrs):
+        kh, kw = attrs["kernel"]
+        extra = "".join(f" {key} {attrs[key][0] if attrs[key][0] == attrs[key][1] else list(attrs[key])}"
+                        for key, default in (("stride", 1), ("dilation", 1)) if attrs[key] != (default, default))
+        return f"conv2d {attrs['in']}→{attrs['out']} {kh}×{kw}{extra}"
+
+    @staticmethod
+    def reach(attrs, axis: int = 0) -> int:
+        """Farthest input pixel (from stride·q) an output pixel reads."""
+        k, p, d = attrs["kernel"][axis], attrs["padding"][axis], attrs["dilation"][axis]
+        return max(p, d * (k - 1) - p)
+
+    # compute -----------------------------------------------------------------------------------
+    def forward(self, attrs, xs, params, kernels):
+        z = kernels.conv_forward(xs[0], params["weight"], attrs)
+        if "bias" in params:
+            z += params["bias"].view(1, -1, 1, 1)
+        return z
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        w = params["weight"]
+        grads = {"weight": kernels.conv_weight_grad(xs[0], g, attrs, tuple(w.shape))}
+        if "bias" in params:
+            grads["bias"] = g.sum(dim=(0, 2, 3))
+        h = kernels.conv_input_grad(g, w, attrs, tuple(xs[0].shape)) if need[0] else None
+        return [h], grads
+
+    # error model ------------------------------------------------------------------------------
+    def terms_forward(self, attrs) -> int:
+        kh, kw = attrs["kernel"]
+        return attrs["in"] // attrs["groups"] * kh * kw + (1 if attrs["bias"] else 0)
+
+    def forward_error(self, attrs, ins, y, params, ctx, parts: bool = False):
+        a, error = ins[0].value, ins[0].error
+        w_abs = params["weight"].abs()
+        n = self.terms_forward(attrs)
+        gamma = ctx.gamma(n)
+        conv = lambda x, w: ctx.kernels.conv_forward(x, w, attrs)  # noqa: E731
+        a_abs = a if ins[0].nonnegative else a.abs()
+        rounding = ctx.rounding_term(conv, a_abs, params["weight"])
+        bias_abs = params["bias"].abs().view(1, -1, 1, 1) if "bias" in params else 0.0
+        radius = 0 if error is None else spread(ins[0].radius, self.reach(attrs), attrs["stride"][0])
+        if parts:  # the network output: every part kept (one quantity of the report)
+            abs_sum = conv(a_abs, w_abs) + bias_abs
+            propagated = conv(error, w_abs) if error is not None else 0.0
+            accumulation = gamma * abs_sum
+            total = accumulation + rounding + propagated
+            return Field(y, total, radius, ins[0].flips, {"parts": Parts(n, abs_sum, accumulation, rounding, propagated,
+                                                                         ins[0].flips)})
+        # γ̃·S + conv(E, |W|) = conv(γ̃|a| + E, |W|): the convolution is linear in its input (one pass, not two)
+        if error is not None and ins[0].consumable:
+            reach = error.add_(a_abs, alpha=gamma)
+        else:
+            reach = torch.mul(a_abs, gamma)
+            if error is not None:
+                reach.add_(error)
+        total = conv(reach, w_abs)
+        del reach
+        if "bias" in params:
+            total.add_(bias_abs * gamma)
+        if torch.is_tensor(rounding):
+            total.add_(rounding)
+        return Field(y, total, radius, ins[0].flips)
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        w = params["weight"]
+        w_abs = w.abs()
+        g_abs = g.abs()
+        flip_points = sparse_points(grad.flips)
+        input_field = None
+        if need[0]:
+            kh, kw = attrs["kernel"]
+            n_input = attrs["out"] // attrs["groups"] * kh * kw
+            shape = tuple(ins[0].value.shape)
+            conv_t = lambda e, wa: ctx.kernels.conv_input_grad(e, wa, attrs, shape)  # noqa: E731
+            reach = torch.mul(g_abs, ctx.gamma(n_input)).add_(grad.error)
+            error = conv_t(reach, w_abs)
+            del reach
+            rounding = ctx.rounding_term(conv_t, g_abs, w)
+            if torch.is_tensor(rounding):
+                error.add_(rounding)
+            flips = None
+            if flip_points is not None:
+                flips = _sparse_input_grad(grad.flips, flip_points, w_abs, attrs, shape)
+            elif has_values(grad.flips):
+                flips = conv_t(grad.flips, w_abs)
+            input_field = GradField(error, flips, gather_radius(grad.radius, self.reach(attrs), attrs["stride"][0]),
+                                    grad.flip_count)
+        bias_parts = None
+        if "bias" in params:  # before the weight part, which may square the gradient's error in place
+            bias_parts = _bias_parts(g_abs, grad, (0, 2, 3), self._chi(attrs, grad.radius, g), ctx)
+        parts = {"weight": self._weight_grad_parts(attrs, g_abs, grad, flip_points, ins[0], tuple(w.shape), ctx)}
+        if bias_parts is not None:
+            parts["bias"] = bias_parts
+        return [input_field], parts
+
+    @staticmethod
+    def _chi(attrs, radius, g) -> int:
+        return roundoff.dependency_count(radius, g.shape[2] * g.shape[3])
+
+    def _weight_grad_parts(self, attrs, g_abs, grad: GradField, flip_points, inp: Field, weight_shape,
+                           ctx: BoundContext) -> Parts:
+        """Σ over batch·H_out·W_out of a·g: S, accumulation, rounding, and the upstream errors of a and g.
+
+        `g_abs` is consumed (squared in place); so are the gradient's error and the input's error when
+        the walk says nobody reads them after (each is a full-size tensor at 1024²)."""
+        wgrad = lambda x, e: ctx.kernels.conv_weight_grad(x, e, attrs, weight_shape)  # noqa: E731
+        a_abs = inp.value if inp.nonnegative else inp.value.abs()
+        n = g_abs.shape[0] * g_abs.shape[2] * g_abs.shape[3]
+        if g_abs.shape[1] <= 4 and attrs["groups"] == 1:
+            # few output channels (a last layer): one pass over the many-channel input for S and Σ|a|E_g
+            doubled = (2 * weight_shape[0], *weight_shape[1:])
+            both = ctx.kernels.conv_weight_grad(a_abs, torch.cat([g_abs, grad.error], dim=1), attrs, doubled)
+            abs_sum, deterministic = both[:g_abs.shape[1]], both[g_abs.shape[1]:]
+        else:
+            abs_sum, deterministic = wgrad(a_abs, g_abs), wgrad(a_abs, grad.error)
+        rounding = ctx.rounding_term(wgrad, a_abs, g_abs)
+        second_order = 0.0
+        if inp.error is not None:
+            deterministic = deterministic + wgrad(inp.error, g_abs)
+            # Σ E_a·(E_g + F) ≤ max(E_a)·Σ(E_g + F): second order, cheap and tiny
+            upstream = grad.error.sum(dim=(0, 2, 3)) + (grad.flips.sum(dim=(0, 2, 3)) if grad.flips is not None else 0.0)
+            second_order = float(inp.error.max()) * upstream.view(-1, 1, 1, 1)
+        error_sq = grad.error.square_() if grad.owned else grad.error * grad.error
+        squares = wgrad(a_abs * a_abs, error_sq)
+        del error_sq
+        if inp.error is not None:
+            input_sq = inp.error.square_() if inp.consumable else inp.error * inp.error
+            squares = 2 * (squares + wgrad(input_sq, g_abs.square_()))
+            del input_sq
+            if inp.consumable:
+                inp.error = None  # squared: no longer an error bound
+        radius = _max_radius(spread(inp.radius, self.reach(attrs), attrs["stride"][0]), grad.radius)
+        chi = roundoff.dependency_count(radius, g_abs.shape[2] * g_abs.shape[3])
+        propagated = ctx.sum_of_errors(deterministic, squares, chi) + second_order
+        # flipped ReLUs pass or block a whole gradient: added deterministically
+        if flip_points is not None:
+            propagated = propagated + _sparse_weight_grad(a_abs, grad.flips, flip_points, attrs, weight_shape)
+        elif has_values(grad.flips):
+            propagated = propagated + wgrad(a_abs, grad.flips)
+        return Parts(n, abs_sum, ctx.gamma(n) * abs_sum, rounding, propagated, grad.flip_count + inp.flips)
+
+
+# ---------------------------------------------------------------------------------------------
+# point-by-point convolutions of sparse flip fields (any kernel, stride, padding, dilation, groups)
+
+
+def _taps(ys, xs, attrs, height: int, width: int):
+    """Input rows y·s − p + d·i and columns x·s − p + d·j read by output points (ys, xs), clamped into the
+    image, and an (m, kh, kw) mask of the taps that lie inside it (outside is zero padding)."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (attrs[k] for k in ("kernel", "stride", "padding", "dilation"))
+    rows = ys[:, None] * sh - ph + dh * torch.arange(kh, device=ys.device)
+    cols = xs[:, None] * sw - pw + dw * torch.arange(kw, device=xs.device)
+    inside = ((rows >= 0) & (rows < height))[:, :, None] & ((cols >= 0) & (cols < width))[:, None, :]
+    return rows.clamp(0, height - 1), cols.clamp(0, width - 1), inside
+
+
+def _sparse_weight_grad(a, f, points, attrs, weight_shape):
+    """weight_grad(a, f) from f's few non-zeros: [o, c, i, j] = Σ a[n, g(o)·C_g + c, y·s − p + d·i, …]·f[n, o, y, x]."""
+    images, outs, ys, xs = points
+    rows, cols, inside = _taps(ys, xs, attrs, a.shape[2], a.shape[3])
+    per_group = weight_shape[1]
+    first = (outs // (weight_shape[0] // attrs["groups"])) * per_group
+    channels = first[:, None] + torch.arange(per_group, device=a.device)[None, :]
+    patch = a[images[:, None, None, None], channels[:, :, None, None], rows[:, None, :, None], cols[:, None, None, :]]
+    terms = patch.mul_(inside[:, None]).mul_(f[images, outs, ys, xs][:, None, None, None])
+    return a.new_zeros(weight_shape).index_add_(0, outs, terms)
+
+
+def _sparse_input_grad(f, points, w_abs, attrs, input_shape):
+    """input_grad(f, |W|) from f's few non-zeros: each f[n, o, y, x] adds f·|W|[o, c, i, j] at the input pixel it read."""
+    images, outs, ys, xs = points
+    out = f.new_zeros(input_shape)
+    rows, cols, inside = _taps(ys, xs, attrs, input_shape[2], input_shape[3])
+    per_group = w_abs.shape[1]
+    first = (outs // (w_abs.shape[0] // attrs["groups"])) * per_group
+    channels = first[:, None] + torch.arange(per_group, device=f.device)[None, :]
+    shape = (len(images), per_group, rows.shape[1], cols.shape[1])
+    index = [images[:, None, None, None], channels[:, :, None, None], rows[:, None, :, None], cols[:, None, None, :]]
+    keep = inside[:, None].expand(shape)
+    values = (w_abs[outs] * f[images, outs, ys, xs][:, None, None, None])[keep]
+    out.index_put_(tuple(i.expand(shape)[keep] for i in index), values, accumulate=True)
+    return out
+
+
+def _sum_of_squares(t: torch.Tensor, dims) -> torch.Tensor:
+    """Σ t² over `dims` per channel without a squared copy of t (128 MB at 1024²): for an image
+    tensor, one dot product per image and channel."""
+    if dims == (0, 2, 3):
+        flat = t.reshape(t.shape[0], t.shape[1], 1, -1)
+        return torch.matmul(flat, flat.transpose(-1, -2)).sum(dim=0).view(-1)
+    return (t * t).sum(dim=dims)
+
+
+def _has(t) -> bool:
+    return t is not None and bool(torch.count_nonzero(t))
+
+
+def _max_radius(a, b):
+    return None if a is None or b is None else max(a, b)
+
+
+def _bias_parts(g_abs, grad: GradField, dims, chi: int, ctx: BoundContext) -> Parts:
+    """Σ of the output gradient over batch (and pixels): S = Σ|g|, its errors as dependent mean-zero terms."""
+    n = 1
+    for d in dims:
+        n *= g_abs.shape[d]
+    abs_sum = g_abs.sum(dim=dims)
+    propagated = ctx.sum_of_errors(grad.error.sum(dim=dims), _sum_of_squares(grad.error, dims), chi)
+    if _has(grad.flips):
+        propagated = propagated + grad.flips.sum(dim=dims)
+    return Parts(n, abs_sum, ctx.gamma(n) * abs_sum, 0.0, propagated, grad.flip_count)
+
+
+class Linear(Op):
+    name = "linear"
+    keys = {"in": REQUIRED, "out": REQUIRED, "bias": True}
+    parametrised = True
+
+    def check(self, attrs):
+        attrs["in"], attrs["out"] = positive_int(attrs["in"], "in"), positive_int(attrs["out"], "out")
+        if not isinstance(attrs["bias"], bool):
+            raise OpSpecError(f"'bias' is {attrs['bias']!r}: expected true or false")
+        return attrs
+
+    def out_shape(self, attrs, in_shapes):
+        shape = in_shapes[0]
+        if len(shape) != 1:
+            raise OpSpecError(f"linear needs features (F,) but receives an image {_shape_text(shape)}: put a flatten "
+                              f"before it")
+        if shape[0] is not None and shape[0] != attrs["in"]:
+            raise OpSpecError(f"receives {shape[0]} features but declares 'in': {attrs['in']} (sizes do not chain)")
+        return (attrs["out"],)
+
+    def axis_length(self, attrs, lengths, axis):
+        return None
+
+    def param_shapes(self, attrs):
+        shapes = {"weight": (attrs["out"], attrs["in"])}
+        if attrs["bias"]:
+            shapes["bias"] = (attrs["out"],)
+        return shapes
+
+    def describe(self, attrs):
+        return f"linear {attrs['in']}→{attrs['out']}"
+
+    def forward(self, attrs, xs, params, kernels):
+        y = kernels.linear_forward(xs[0], params["weight"])
+        if "bias" in params:
+            y += params["bias"]
+        return y
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        grads = {"weight": kernels.linear_weight_grad(xs[0], g)}
+        if "bias" in params:
+            grads["bias"] = g.sum(dim=0)
+        h = kernels.linear_input_grad(g, params["weight"]) if need[0] else None
+        return [h], grads
+
+    def forward_error(self, attrs, ins, y, params, ctx, parts: bool = False):
+        a, error = ins[0].value, ins[0].error
+        w_abs = params["weight"].abs()
+        n = attrs["in"] + (1 if attrs["bias"] else 0)
+        gamma = ctx.gamma(n)
+        a_abs = a.abs()
+        bias_abs = params["bias"].abs() if "bias" in params else 0.0
+        abs_sum = a_abs @ w_abs.T + bias_abs
+        rounding = ctx.rounding_term(lambda x, w: x @ w.T, a_abs, params["weight"])
+        propagated = error @ w_abs.T if error is not None else 0.0
+        accumulation = gamma * abs_sum
+        total = accumulation + rounding + propagated
+        memo = {"parts": Parts(n, abs_sum, accumulation, rounding, propagated, ins[0].flips)} if parts else {}
+        return Field(y, total, None, ins[0].flips, memo)
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        w = params["weight"]
+        w_abs, g_abs = w.abs(), g.abs()
+        input_field = None
+        if need[0]:
+            error = (g_abs * ctx.gamma(attrs["out"]) + grad.error) @ w_abs
+            rounding = ctx.rounding_term(lambda e, wa: e @ wa, g_abs, w)
+            if torch.is_tensor(rounding):
+                error = error + rounding
+            flips = grad.flips @ w_abs if _has(grad.flips) else None
+            input_field = GradField(error, flips, None, grad.flip_count)
+        a_abs, a_error = ins[0].value.abs(), ins[0].error
+        n = g.shape[0]
+        abs_sum = g_abs.T @ a_abs
+        deterministic = grad.error.T @ a_abs
+        squares = (grad.error * grad.error).T @ (a_abs * a_abs)
+        second_order = 0.0
+        if a_error is not None:
+            deterministic = deterministic + g_abs.T @ a_error
+            squares = 2 * (squares + (g_abs * g_abs).T @ (a_error * a_error))
+            upstream = grad.error.sum(dim=0) + (grad.flips.sum(dim=0) if _has(grad.flips) else 0.0)
+            second_order = float(a_error.max()) * upstream.view(-1, 1)
+        # each term of a weight-gradient element is one sample: samples share no rounding (χ* = 1)
+        propagated = ctx.sum_of_errors(deterministic, squares, 1) + second_order
+        if _has(grad.flips):
+            propagated = propagated + grad.flips.T @ a_abs
+        rounding = ctx.rounding_term(lambda x, e: e.T @ x, a_abs, g_abs)
+        parts = {"weight": Parts(n, abs_sum, ctx.gamma(n) * abs_sum, rounding, propagated,
+                                 grad.flip_count + ins[0].flips)}
+        if "bias" in params:
+            parts["bias"] = _bias_parts(g_abs, grad, (0,), 1, ctx)
+        return [input_field], parts
+
+
+def _shape_text(shape) -> str:
+    return "(" + ", ".join("?" if s is None else str(s) for s in shape) + ")"
+
+
+register(Conv2d())
+register(Linear())

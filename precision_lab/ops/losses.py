@@ -1,0 +1,126 @@
+"""Losses: mse (mean over every output element) and cross_entropy (mean over samples and pixels).
+
+Each loss gives its value and ∂loss/∂output (the start of every backward) and its part of the
+error model: the loss's own bound and the error of ∂loss/∂output from the output's error E_y.
+
+* mse: loss = Σr²/N with r = y − t: N positive terms (S = loss); the output error enters to first
+  order through 2|r|/N and to second through E_y²/N. ∂loss/∂y = 2r/N, computed with two roundings
+  (the subtraction and the scaling: γ₂, Higham 2002 Lemma 3.1) on top of 2E_y/N.
+* cross_entropy: per position lᵢ = logsumexp(zᵢ) − zᵢₜ, loss = mean lᵢ (PyTorch's reduction
+  "mean" over N, or N·H·W for (N, K, H, W) logits). logsumexp is 1-Lipschitz in the ∞-norm with
+  weights softmax(z): |Δlse| ≤ Σₖ pₖEₖ + ½maxₖEₖ²; its float32 evaluation (exp and log within
+  2 ulp, a K-term sum, the shift by max z) is within (K + 8)u + 2u·(|lse| + |zₜ| + Σₖpₖ|zₖ − m|).
+  ∂l/∂z = (p − onehot)/count with p = softmax(z): relative error of p at most
+  (K + 8 + |zₖ| + |lse| + |zₖ − m|)·u from its evaluation (whichever of exp(z − m)/Σ or exp(z − lse))
+  and expm1(Eₖ + Σⱼ pⱼEⱼ) from the logits' errors.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import Field, GradField, OpSpecError, Parts, register_loss
+from .. import roundoff
+
+
+class MSE:
+    name = "mse"
+    target_dtype = "float"
+
+    def check_output(self, shape, where: str) -> None:
+        return None
+
+    def target_shape(self, out_shape: tuple) -> tuple:
+        return tuple(out_shape)
+
+    def positions(self, y: torch.Tensor) -> int:
+        return y.numel()
+
+    def forward_backward(self, y: torch.Tensor, t: torch.Tensor, in_place: bool = False):
+        """(loss, ∂loss/∂y) in y's dtype; with `in_place` the residual's storage becomes the gradient."""
+        residual = y - t
+        loss = torch.mean(residual * residual)
+        scale = 2.0 / residual.numel()  # d mean((y-t)^2) / dy
+        return loss, (residual.mul_(scale) if in_place else residual * scale)
+
+    def bound(self, out: Field, target: torch.Tensor, loss: float, ctx) -> tuple[Parts, GradField]:
+        y = out.value
+        residual = (y.double() - target.double()).to(torch.float32)
+        n_out = residual.numel()
+        loss_sum = torch.tensor([float(loss)], dtype=torch.float64, device=y.device)
+        accumulation = ctx.gamma(n_out + 2) * loss_sum
+        error = out.error if out.error is not None else torch.zeros_like(residual)
+        chi = roundoff.dependency_count(out.radius, _pixels(y)) * _channels(y)
+        first_order = ctx.sum_of_errors((residual.abs() * error).sum().double(),
+                                        (residual * residual * error * error).sum().double(), chi)
+        propagated = ((2.0 / n_out) * first_order + (error.double() ** 2).sum() / n_out).reshape(1)
+        grad_error = (2.0 / n_out) * (error + roundoff.gamma(2, ctx.u) * residual.abs())
+        return (Parts(n_out, loss_sum, accumulation, 0.0, propagated, out.flips),
+                GradField(grad_error, None, out.radius, 0))
+
+
+def _pixels(y: torch.Tensor) -> int:
+    return y.shape[2] * y.shape[3] if y.dim() == 4 else 1
+
+
+def _channels(y: torch.Tensor) -> int:
+    return y.shape[1] if y.dim() >= 2 else 1
+
+
+class CrossEntropy:
+    name = "cross_entropy"
+    target_dtype = "int64"
+
+    def check_output(self, shape, where: str) -> None:
+        if len(shape) not in (1, 3):
+            raise OpSpecError(f"cross_entropy needs logits (N, K) or (N, K, H, W), got per-sample shape {tuple(shape)}")
+        if shape[0] is not None and shape[0] < 2:
+            raise OpSpecError(f"cross_entropy needs at least 2 classes, the output has {shape[0]}")
+
+    def target_shape(self, out_shape: tuple) -> tuple:
+        return tuple(out_shape[1:])
+
+    def positions(self, y: torch.Tensor) -> int:
+        return y.numel() // y.shape[1]
+
+    @staticmethod
+    def _parts(z: torch.Tensor, t: torch.Tensor):
+        """(max, exp(z − max), Σ, lse, z at the target) along the class axis."""
+        m = z.amax(dim=1, keepdim=True)
+        e = torch.exp(z - m)
+        s = e.sum(dim=1, keepdim=True)
+        lse = m + torch.log(s)
+        z_t = z.gather(1, t.unsqueeze(1))
+        return m, e, s, lse, z_t
+
+    def forward_backward(self, z: torch.Tensor, t: torch.Tensor, in_place: bool = False):
+        m, e, s, lse, z_t = self._parts(z, t)
+        count = self.positions(z)
+        loss = (lse - z_t).sum() / count
+        grad = e / s
+        grad.scatter_add_(1, t.unsqueeze(1), -torch.ones_like(z_t))
+        return loss, grad / count
+
+    def bound(self, out: Field, target: torch.Tensor, loss: float, ctx) -> tuple[Parts, GradField]:
+        z = out.value.double()
+        u, k, count = ctx.u, z.shape[1], self.positions(z)
+        m, e, s, lse, z_t = self._parts(z, target)
+        p = e / s
+        error = (out.error.double() if out.error is not None else torch.zeros_like(z))
+        shift = (p * (z - m).abs()).sum(dim=1, keepdim=True)
+        evaluation = (k + 8) * u + 2 * u * (lse.abs() + z_t.abs() + shift)
+        weighted = (p * error).sum(dim=1, keepdim=True)
+        error_t = error.gather(1, target.unsqueeze(1))
+        propagated_each = weighted + error_t + 0.5 * error.amax(dim=1, keepdim=True) ** 2
+        chi = roundoff.dependency_count(out.radius, _pixels(z))
+        propagated = ctx.sum_of_errors(propagated_each.sum(), (propagated_each ** 2).sum(), chi) / count
+        loss_sum = torch.tensor([float(loss)], dtype=torch.float64, device=z.device)
+        parts = Parts(count, loss_sum, ctx.gamma(count + 1) * loss_sum, (evaluation.sum() / count).reshape(1),
+                      propagated.reshape(1), out.flips)
+        onehot = torch.zeros_like(p).scatter_(1, target.unsqueeze(1), 1.0)
+        relative = (k + 8 + z.abs() + lse.abs() + (z - m).abs()) * u + torch.expm1(error + weighted)
+        grad_error = (p * relative + 2 * u * (p - onehot).abs()) / count
+        return parts, GradField(grad_error.to(torch.float32), None, out.radius, 0)
+
+
+register_loss(MSE())
+register_loss(CrossEntropy())

@@ -1,0 +1,266 @@
+"""Elementwise activations: relu, leaky_relu, tanh, sigmoid, gelu.
+
+Piecewise-linear ones (relu, leaky_relu) compute exactly except leaky's one multiply; what the
+errors can do is *flip* them: where the pre-activation z lies within its own error bound E_z,
+the candidate may take the other branch, and the gradient through it is then wholly uncertain
+(its |h| passed or blocked), which the backward carries as a deterministic part. Where z ≤ −E_z
+a ReLU's output is exactly zero whatever the candidate computed before it.
+
+Smooth ones (tanh, sigmoid, gelu) propagate an input error E by at most max|f'| over [z − E, z + E]
+≤ (|f'(z)| + M₂E)·E with M₂ = sup|f''|, and add their own evaluation error: a float32 library
+evaluates them within a few ulps (CUDA C Programming Guide, "Mathematical Functions": tanhf, expf,
+erff ≤ 2 ulp) and formulas through exp (tanh = (e²ᶻ − 1)/(e²ᶻ + 1), σ = 1/(1 + e⁻ᶻ)) lose a few
+units absolutely near their cancellation points: 8u·(|f| + |z·f'| + 1) covers both.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import BoundContext, Field, GradField, Op, OpSpecError, register, sparse_enough
+from .. import formats
+
+#: z is read as its float32 rounding, |fl(z) − z| ≤ u₃₂·|z| (Higham 2002, Thm 2.2); 1 + 2u₃₂ covers that
+#: and the rounding of E·(1 + 2u₃₂) itself (1 + u₃₂ is not a float32: it would round to 1)
+STORED_WIDENING = 1.0 + 2.0 * formats.UNIT_ROUNDOFF["float32"]
+
+#: evaluation error of a float32 activation, in units of u, on |f| + |z·f'| + 1 (module docstring)
+FUNCTION_ERROR_UNITS = 8.0
+
+
+def _has(t) -> bool:
+    return t is not None and bool(torch.count_nonzero(t))
+
+
+def _may_flip(z: torch.Tensor, error: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E_z widened for z's float32 storage, where |z| ≤ E_z: the sign the candidate saw may differ).
+
+    fl(z + E) has the sign of z + E (gradual underflow: x ⊕ y = 0 only if x = −y), so the test is exact."""
+    widened = error * STORED_WIDENING
+    return widened, torch.le(z, widened).logical_and_(torch.add(z, widened) >= 0)
+
+
+class ReLU(Op):
+    name = "relu"
+    elementwise = True
+    slope = 0.0
+
+    def forward(self, attrs, xs, params, kernels):
+        return torch.relu(xs[0])
+
+    def forward_inplace(self, attrs, x):
+        """relu in place (the float64 reference: its input has no other use)."""
+        return x.relu_()
+
+    def derive_output(self, attrs, x):
+        """The output recomputed from a stored input: relu of the float32 rounding is the rounding of relu."""
+        return torch.relu(x)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        # relu(z) > 0 exactly where z > 0: the mask comes from whichever is still held
+        return [g.masked_fill((y if y is not None else xs[0]) <= 0, 0.0)], {}
+
+    def backward_inplace(self, attrs, g, y):
+        """The backward writing into g (the float64 reference owns it): no new image-sized tensor."""
+        return g.masked_fill_(y <= 0, 0.0)
+
+    def derive_input_grad(self, attrs, g_out, x):
+        return g_out.masked_fill(x <= 0, 0.0)
+
+    def forward_error(self, attrs, ins, y, params, ctx):
+        z, error = ins[0].value, ins[0].error
+        if error is None:
+            return Field(y, None, ins[0].radius, ins[0].flips, nonnegative=True)
+        widened = error.mul_(STORED_WIDENING) if ins[0].consumable else error * STORED_WIDENING
+        shifted = torch.add(z, widened)  # z + E: its sign is exact (gradual underflow)
+        may_flip = torch.le(z, widened).logical_and_(shifted >= 0)
+        out = widened.mul_(shifted.gt_(0))  # z ≤ −E: the output is exactly 0 whatever was computed
+        del shifted
+        if ins[0].consumable:
+            ins[0].error = None  # consumed: it is this output's error now
+        flip_count = int(torch.count_nonzero(may_flip))
+        return Field(y, out, ins[0].radius, ins[0].flips + flip_count, {"may_flip": may_flip, "flip_count": flip_count},
+                     nonnegative=True)
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        if not need[0]:
+            return [None], {}
+        z = ins[0].value
+        may_flip, flip_count = out.memo.get("may_flip"), out.memo.get("flip_count", 0)
+        closed = z <= 0  # where the exact gradient is blocked and no flip can open it
+        if flip_count:
+            closed.logical_and_(~may_flip)
+        error = grad.error.masked_fill_(closed, 0.0) if grad.owned else grad.error.masked_fill(closed, 0.0)
+        flips = None
+        if grad.flips is not None:
+            flips = grad.flips.masked_fill_(closed, 0.0) if grad.owned else grad.flips.masked_fill(closed, 0.0)
+        del closed
+        if flip_count:
+            # a flipped ReLU passes or blocks the whole gradient: |h| + its errors, deterministically
+            if sparse_enough(flip_count):
+                points = may_flip.nonzero(as_tuple=True)
+                whole = g[points].abs() + error[points] + (flips[points] if flips is not None else 0.0)
+                flips = torch.zeros_like(error) if flips is None else flips
+                flips.index_put_(points, whole, accumulate=True)
+            else:
+                whole = g.abs().add_(error)
+                if flips is not None:
+                    whole.add_(flips)
+                flips = whole.mul_(may_flip) if flips is None else flips.add_(whole.mul_(may_flip))
+        return [GradField(error, flips, grad.radius, grad.flip_count + flip_count)], {}
+
+
+class LeakyReLU(ReLU):
+    name = "leaky_relu"
+    keys = {"slope": 0.01}
+
+    def check(self, attrs):
+        slope = attrs["slope"]
+        if isinstance(slope, bool) or not isinstance(slope, (int, float)) or not math.isfinite(slope):
+            raise OpSpecError(f"'slope' is {slope!r}: expected a number")
+        attrs["slope"] = float(slope)
+        return attrs
+
+    def describe(self, attrs):
+        return f"leaky_relu {attrs['slope']:g}"
+
+    def forward(self, attrs, xs, params, kernels):
+        return F.leaky_relu(xs[0], attrs["slope"])
+
+    # none of ReLU's memory shortcuts: its backward scales negatives by the slope, it does not zero them
+    forward_inplace = None
+    backward_inplace = None
+    derive_output = None
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        x = xs[0]
+        factor = torch.where(x > 0, torch.ones_like(x), torch.full_like(x, attrs["slope"]))
+        return [g * factor], {}
+
+    derive_input_grad = None
+
+    def forward_error(self, attrs, ins, y, params, ctx):
+        z, error = ins[0].value, ins[0].error
+        s = abs(attrs["slope"])
+        rounding = ctx.u * s * z.abs() * (z < 0)  # the one multiply of the negative branch
+        if error is None:
+            return Field(y, rounding, ins[0].radius, ins[0].flips)
+        widened, may_flip = _may_flip(z, error)
+        positive = z >= widened
+        factor = torch.where(positive, torch.ones_like(z), torch.full_like(z, s))
+        factor = torch.where(may_flip, torch.full_like(z, max(1.0, s)), factor)
+        flip_count = int(torch.count_nonzero(may_flip))
+        return Field(y, widened * factor + rounding, ins[0].radius, ins[0].flips + flip_count,
+                     {"may_flip": may_flip, "flip_count": flip_count})
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        if not need[0]:
+            return [None], {}
+        z, s = ins[0].value, attrs["slope"]
+        may_flip = out.memo.get("may_flip")
+        factor = torch.where(z > 0, torch.ones_like(z), torch.full_like(z, abs(s)))
+        if may_flip is not None:
+            factor = torch.where(may_flip, torch.full_like(z, max(1.0, abs(s))), factor)
+        error = grad.error * factor + ctx.u * abs(s) * g.abs() * (z <= 0)
+        flips = grad.flips * factor if _has(grad.flips) else None
+        if may_flip is not None and out.memo["flip_count"]:
+            whole = (g.abs() + grad.error + (grad.flips if flips is not None else 0.0)) * abs(1.0 - s)
+            flips = whole * may_flip if flips is None else flips + whole * may_flip
+        return [GradField(error, flips, grad.radius, grad.flip_count + out.memo.get("flip_count", 0))], {}
+
+
+class Smooth(Op):
+    """A smooth activation f with derivative f' and M₂ = sup|f''| (module docstring)."""
+
+    elementwise = True
+    second_derivative_bound = 1.0
+
+    def f(self, attrs, z):
+        raise NotImplementedError
+
+    def df(self, attrs, z):
+        raise NotImplementedError
+
+    def forward(self, attrs, xs, params, kernels):
+        return self.f(attrs, xs[0])
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return [g * self.df(attrs, xs[0])], {}
+
+    def evaluation_error(self, attrs, z, value, slope, u):
+        return FUNCTION_ERROR_UNITS * u * (value.abs() + (z * slope).abs() + 1.0)
+
+    def forward_error(self, attrs, ins, y, params, ctx):
+        z, error = ins[0].value, ins[0].error
+        slope = self.df(attrs, z)
+        own = self.evaluation_error(attrs, z, y, slope, ctx.u)
+        if error is None:
+            return Field(y, own, ins[0].radius, ins[0].flips)
+        return Field(y, (slope.abs() + self.second_derivative_bound * error) * error + own, ins[0].radius, ins[0].flips)
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        if not need[0]:
+            return [None], {}
+        z, error = ins[0].value, ins[0].error
+        slope = self.df(attrs, z).abs()
+        # the candidate's f'(ẑ) (from ẑ or from its f(ẑ)): within M₂E_z plus twice the evaluation error
+        slope_error = 2 * self.evaluation_error(attrs, z, slope, slope, ctx.u)
+        if error is not None:
+            slope_error = slope_error + self.second_derivative_bound * error * STORED_WIDENING
+        total = grad.error * (slope + slope_error) + g.abs() * slope_error
+        flips = grad.flips * (slope + slope_error) if _has(grad.flips) else None
+        return [GradField(total, flips, grad.radius, grad.flip_count)], {}
+
+
+class Tanh(Smooth):
+    name = "tanh"
+    second_derivative_bound = 4 / (3 * math.sqrt(3))  # sup|tanh''| = 4/(3√3) at tanh z = 1/√3
+
+    def f(self, attrs, z):
+        return torch.tanh(z)
+
+    def df(self, attrs, z):
+        t = torch.tanh(z)
+        return 1 - t * t
+
+
+class Sigmoid(Smooth):
+    name = "sigmoid"
+    second_derivative_bound = 1 / (6 * math.sqrt(3))  # sup|σ''| = 1/(6√3) at σ = 1/2 ± 1/(2√3)
+
+    def f(self, attrs, z):
+        return torch.sigmoid(z)
+
+    def df(self, attrs, z):
+        s = torch.sigmoid(z)
+        return s * (1 - s)
+
+
+class GELU(Smooth):
+    name = "gelu"
+    keys = {"approximate": "none"}
+    #: sup|GELU''| = 2φ(0) = √(2/π) ≈ 0.798 (erf form: f'' = φ(z)(2 − z²)); the tanh form stays below 0.82
+    second_derivative_bound = 0.82
+
+    def check(self, attrs):
+        if attrs["approximate"] not in ("none", "tanh"):
+            raise OpSpecError(f"'approximate' is {attrs['approximate']!r}: expected \"none\" (erf) or \"tanh\"")
+        return attrs
+
+    def describe(self, attrs):
+        return "gelu" + (" (tanh)" if attrs["approximate"] == "tanh" else "")
+
+    def f(self, attrs, z):
+        return F.gelu(z, approximate=attrs["approximate"])
+
+    def df(self, attrs, z):
+        with torch.enable_grad():
+            leaf = z.detach().requires_grad_(True)
+            (slope,) = torch.autograd.grad(F.gelu(leaf, approximate=attrs["approximate"]).sum(), leaf)
+        return slope
+
+
+for _op in (ReLU(), LeakyReLU(), Tanh(), Sigmoid(), GELU()):
+    register(_op)

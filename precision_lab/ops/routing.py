@@ -1,0 +1,332 @@
+"""Ops that route values: max_pool2d, avg_pool2d, upsample_nearest, add, concat, flatten.
+
+Rounding: max-pool, upsample, concat and flatten copy values exactly; avg-pool sums k² terms and
+divides; add rounds once; the backward of upsample sums s² gradients and that of avg-pool up to
+⌈k/s⌉² (Higham 2002, §3.1: a sum of n terms, here with the probabilistic γ̃ of roundoff.py).
+What they do to upstream errors: copies carry them; max-pool carries the largest error of its
+window and may *switch* where two inputs lie within their errors of each other (its gradient then
+goes to another element: the whole |g| at each contender, deterministically, as a flipped ReLU).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import REQUIRED, Field, GradField, Op, OpSpecError, as_pair, gather_radius, register, spread
+
+
+def _has(t) -> bool:
+    return t is not None and bool(torch.count_nonzero(t))
+
+
+def _max_radius(radii):
+    return None if any(r is None for r in radii) else max(radii)
+
+
+def _image(shape, op: str):
+    if len(shape) != 3:
+        raise OpSpecError(f"{op} needs an image (C, H, W) but receives {len(shape)}-D features (a flatten came before it)")
+
+
+class Pool(Op):
+    keys = {"kernel": REQUIRED, "stride": None, "padding": 0}
+
+    def check(self, attrs):
+        attrs["kernel"] = as_pair(attrs["kernel"], "kernel", 1)
+        attrs["stride"] = attrs["kernel"] if attrs["stride"] is None else as_pair(attrs["stride"], "stride", 1)
+        attrs["padding"] = as_pair(attrs["padding"], "padding", 0)
+        if any(2 * p > k for p, k in zip(attrs["padding"], attrs["kernel"])):
+            raise OpSpecError(f"'padding' {list(attrs['padding'])} must be at most half the kernel {list(attrs['kernel'])}")
+        return attrs
+
+    def out_shape(self, attrs, in_shapes):
+        _image(in_shapes[0], self.name)
+        return (in_shapes[0][0],) + tuple(self.axis_length(attrs, [in_shapes[0][1 + a]], a) for a in (0, 1))
+
+    def axis_length(self, attrs, lengths, axis):
+        length = lengths[0]
+        if length is None:
+            return None
+        k, s, p = attrs["kernel"][axis], attrs["stride"][axis], attrs["padding"][axis]
+        side = ("height", "width")[axis]
+        if length + 2 * p < k:
+            raise OpSpecError(f"input {side} {length} is smaller than the {k}-pixel pool window")
+        if (length + 2 * p - k) % s:
+            raise OpSpecError(f"input {side} {length} cannot be divided into {k}-pixel windows every {s} pixels "
+                              f"(the last {(length + 2 * p - k) % s} would be dropped): choose a size the pools divide")
+        return (length + 2 * p - k) // s + 1
+
+    def describe(self, attrs):
+        k, s = attrs["kernel"], attrs["stride"]
+        return f"{self.name} {k[0]}×{k[1]}" + (f"/{s[0]}" if s != k else "")
+
+    def reach(self, attrs) -> int:
+        k, p = attrs["kernel"][0], attrs["padding"][0]
+        return max(p, k - 1 - p)
+
+    def _autograd_backward(self, attrs, g, x):
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_(True)
+            (h,) = torch.autograd.grad(self.forward(attrs, [leaf], {}, None), leaf, g)
+        return h
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return [self._autograd_backward(attrs, g, xs[0]) if need[0] else None], {}
+
+    def _windows(self, attrs, t, fill: float = 0.0):
+        """(N, C, k·k, L): each window's elements (padding filled with `fill`)."""
+        n, c = t.shape[:2]
+        if any(attrs["padding"]):
+            t = F.pad(t, _pads(attrs), value=fill)
+        cols = F.unfold(t, attrs["kernel"], stride=attrs["stride"])
+        return cols.view(n, c, attrs["kernel"][0] * attrs["kernel"][1], -1)
+
+    def _fold(self, attrs, windows, shape):
+        n, c = windows.shape[:2]
+        return F.fold(windows.reshape(n, -1, windows.shape[-1]), shape[-2:], attrs["kernel"],
+                      padding=attrs["padding"], stride=attrs["stride"])
+
+
+class MaxPool2d(Pool):
+    name = "max_pool2d"
+
+    def forward(self, attrs, xs, params, kernels):
+        return F.max_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"])
+
+    def forward_error(self, attrs, ins, y, params, ctx):
+        z, error = ins[0].value, ins[0].error
+        e = torch.zeros_like(z) if error is None else error
+        # contenders: elements whose value could be the window's maximum given the errors (exact ties included)
+        values = self._windows(attrs, z, fill=-torch.finfo(z.dtype).max)
+        errors = self._windows(attrs, e)
+        top, where = values.max(dim=2, keepdim=True)
+        top_error = errors.gather(2, where)
+        contenders = (values + errors) >= (top - top_error)
+        switching = contenders.sum(dim=2) > 1  # (N, C, L): a window the candidate may resolve differently
+        count = int(torch.count_nonzero(switching))
+        out_error = None if error is None else F.max_pool2d(error, attrs["kernel"], attrs["stride"], attrs["padding"])
+        memo = {"contenders": contenders * switching.unsqueeze(2), "switch_count": count} if count else {}
+        radius = ins[0].radius if error is None else spread(ins[0].radius, self.reach(attrs), attrs["stride"][0])
+        return Field(y, out_error, radius, ins[0].flips + count, memo)
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        if not need[0]:
+            return [None], {}
+        x = ins[0].value
+        error = self._autograd_backward(attrs, grad.error, x)  # routed to the exact maximum
+        flips = self._autograd_backward(attrs, grad.flips, x) if _has(grad.flips) else None
+        count = out.memo.get("switch_count", 0)
+        if count:
+            # a switched window sends its whole gradient elsewhere: |g| + errors at every contender
+            whole = g.abs() + grad.error + (grad.flips if grad.flips is not None else 0.0)
+            spread_windows = out.memo["contenders"] * whole.flatten(2).unsqueeze(2)
+            switched = self._fold(attrs, spread_windows.to(whole.dtype), x.shape)
+            flips = switched if flips is None else flips + switched
+        radius = gather_radius(grad.radius, self.reach(attrs), attrs["stride"][0])
+        return [GradField(error, flips, radius, grad.flip_count + count)], {}
+
+
+def _pads(attrs):
+    ph, pw = attrs["padding"]
+    return (pw, pw, ph, ph)
+
+
+class AvgPool2d(Pool):
+    name = "avg_pool2d"
+
+    def forward(self, attrs, xs, params, kernels):
+        return F.avg_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"])
+
+    def _terms(self, attrs) -> int:
+        return attrs["kernel"][0] * attrs["kernel"][1]
+
+    def forward_error(self, attrs, ins, y, params, ctx):
+        a, error = ins[0].value, ins[0].error
+        # k² additions and one division: γ̃ of k² + 1 on the window's Σ|a|/k²
+        total = ctx.gamma(self._terms(attrs) + 1) * self.forward(attrs, [a.abs()], {}, None)
+        if error is not None:
+            total = total + self.forward(attrs, [error], {}, None)
+        radius = 0 if error is None else spread(ins[0].radius, self.reach(attrs), attrs["stride"][0])
+        return Field(y, total, radius, ins[0].flips)
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        if not need[0]:
+            return [None], {}
+        x = ins[0].value
+        overlap = -(-attrs["kernel"][0] // attrs["stride"][0]) * -(-attrs["kernel"][1] // attrs["stride"][1])
+        error = ctx.gamma(overlap + 1) * self._autograd_backward(attrs, g.abs(), x)
+        error = error + self._autograd_backward(attrs, grad.error, x)
+        flips = self._autograd_backward(attrs, grad.flips, x) if _has(grad.flips) else None
+        radius = gather_radius(grad.radius, self.reach(attrs), attrs["stride"][0])
+        return [GradField(error, flips, radius, grad.flip_count)], {}
+
+
+class UpsampleNearest(Op):
+    name = "upsample_nearest"
+    keys = {"scale": REQUIRED}
+
+    def check(self, attrs):
+        attrs["scale"] = as_pair(attrs["scale"], "scale", 1)
+        return attrs
+
+    def out_shape(self, attrs, in_shapes):
+        _image(in_shapes[0], self.name)
+        return (in_shapes[0][0],) + tuple(self.axis_length(attrs, [in_shapes[0][1 + a]], a) for a in (0, 1))
+
+    def axis_length(self, attrs, lengths, axis):
+        return None if lengths[0] is None else lengths[0] * attrs["scale"][axis]
+
+    def describe(self, attrs):
+        sh, sw = attrs["scale"]
+        return f"upsample ×{sh}" if sh == sw else f"upsample ×{sh}×{sw}"
+
+    def forward(self, attrs, xs, params, kernels):
+        sh, sw = attrs["scale"]
+        return xs[0].repeat_interleave(sh, dim=2).repeat_interleave(sw, dim=3)
+
+    def _block_sum(self, attrs, g):
+        sh, sw = attrs["scale"]
+        n, c, h, w = g.shape
+        return g.reshape(n, c, h // sh, sh, w // sw, sw).sum(dim=(3, 5))
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return [self._block_sum(attrs, g) if need[0] else None], {}
+
+    def forward_error(self, attrs, ins, y, params, ctx):
+        error = ins[0].error
+        scale = max(attrs["scale"])
+        radius = None if ins[0].radius is None else (ins[0].radius + 1) * scale
+        return Field(y, None if error is None else self.forward(attrs, [error], {}, None), radius, ins[0].flips)
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        if not need[0]:
+            return [None], {}
+        n = attrs["scale"][0] * attrs["scale"][1]
+        error = ctx.gamma(n) * self._block_sum(attrs, g.abs()) + self._block_sum(attrs, grad.error)
+        flips = self._block_sum(attrs, grad.flips) if _has(grad.flips) else None
+        radius = None if grad.radius is None else -(-grad.radius // min(attrs["scale"])) + 1
+        return [GradField(error, flips, radius, grad.flip_count)], {}
+
+
+class Add(Op):
+    name = "add"
+    combines = True
+
+    def out_shape(self, attrs, in_shapes):
+        first, second = in_shapes
+        if len(first) != len(second) or any(a is not None and b is not None and a != b for a, b in zip(first, second)):
+            raise OpSpecError(f"adds shapes that differ: the previous output is {_text(first)}, 'from' gives "
+                              f"{_text(second)}")
+        return tuple(a if a is not None else b for a, b in zip(first, second))
+
+    def axis_length(self, attrs, lengths, axis):
+        first, second = lengths
+        if first is not None and second is not None and first != second:
+            side = ("height", "width")[axis]
+            raise OpSpecError(f"adds a {side} of {first} to a {side} of {second}: choose an image size the network's "
+                              f"strides and upsamples bring back to the same size")
+        return first
+
+    def forward(self, attrs, xs, params, kernels):
+        return xs[0] + xs[1]
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return [g if need[0] else None, g if need[1] else None], {}
+
+    def forward_error(self, attrs, ins, y, params, ctx):
+        errors = [f.error for f in ins if f.error is not None]
+        # one rounding: |fl(x̂ + ŷ) − (x + y)| ≤ E_x + E_y + u·(|x + y| + E_x + E_y)
+        carried = sum(errors) if errors else 0.0
+        total = (1 + ctx.u) * carried + ctx.u * y.abs() if errors else ctx.u * y.abs()
+        return Field(y, total, _max_radius([f.radius for f in ins]), sum(f.flips for f in ins))
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        copy = GradField(grad.error, grad.flips, grad.radius, grad.flip_count)
+        return [copy if need[0] else None, copy if need[1] else None], {}
+
+
+class Concat(Op):
+    name = "concat"
+    combines = True
+
+    def out_shape(self, attrs, in_shapes):
+        first, second = in_shapes
+        if len(first) != 3 or len(second) != 3:
+            raise OpSpecError("concat joins images (C, H, W) along channels; a flatten came before it")
+        for axis in (0, 1):
+            self.axis_length(attrs, [first[1 + axis], second[1 + axis]], axis)
+        return (first[0] + second[0], first[1] if first[1] is not None else second[1],
+                first[2] if first[2] is not None else second[2])
+
+    def axis_length(self, attrs, lengths, axis):
+        first, second = lengths
+        if first is not None and second is not None and first != second:
+            side = ("height", "width")[axis]
+            raise OpSpecError(f"concatenates a {side} of {first} with a {side} of {second}: choose an image size the "
+                              f"network's strides and upsamples bring back to the same size")
+        return first
+
+    def forward(self, attrs, xs, params, kernels):
+        return torch.cat(xs, dim=1)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        split = xs[0].shape[1]
+        return [g[:, :split] if need[0] else None, g[:, split:] if need[1] else None], {}
+
+    def forward_error(self, attrs, ins, y, params, ctx):
+        if all(f.error is None for f in ins):
+            return Field(y, None, _max_radius([f.radius for f in ins]), sum(f.flips for f in ins))
+        parts = [f.error if f.error is not None else torch.zeros_like(f.value) for f in ins]
+        return Field(y, torch.cat(parts, dim=1), _max_radius([f.radius for f in ins]), sum(f.flips for f in ins))
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        split = ins[0].value.shape[1]
+        pieces = []
+        for keep, sl in zip(need, (slice(None, split), slice(split, None))):
+            if not keep:
+                pieces.append(None)
+                continue
+            flips = grad.flips[:, sl] if grad.flips is not None else None
+            pieces.append(GradField(grad.error[:, sl], flips, grad.radius, grad.flip_count))
+        return pieces, {}
+
+
+class Flatten(Op):
+    name = "flatten"
+
+    def out_shape(self, attrs, in_shapes):
+        shape = in_shapes[0]
+        if any(s is None for s in shape):
+            return (None,)
+        total = 1
+        for s in shape:
+            total *= s
+        return (total,)
+
+    def axis_length(self, attrs, lengths, axis):
+        return None
+
+    def forward(self, attrs, xs, params, kernels):
+        return xs[0].reshape(xs[0].shape[0], -1)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return [g.reshape(xs[0].shape) if need[0] else None], {}
+
+    def forward_error(self, attrs, ins, y, params, ctx):
+        error = ins[0].error
+        return Field(y, None if error is None else error.reshape(y.shape), None, ins[0].flips)
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        if not need[0]:
+            return [None], {}
+        shape = ins[0].value.shape
+        flips = grad.flips.reshape(shape) if grad.flips is not None else None
+        return [GradField(grad.error.reshape(shape), flips, None, grad.flip_count)], {}
+
+
+def _text(shape) -> str:
+    return "(" + ", ".join("?" if s is None else str(s) for s in shape) + ")"
+
+
+for _op in (MaxPool2d(), AvgPool2d(), UpsampleNearest(), Add(), Concat(), Flatten()):
+    register(_op)

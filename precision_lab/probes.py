@@ -1,0 +1,77 @@
+"""Probes: a few small problems judged beside the one asked for (DESIGN.md, "Probes").
+
+Boundary and indexing bugs shrink as 1/H while the rounding bound grows as √n: a gradient that
+ignores one image column is within the float32 bound at 1024² and far outside it at 64². A
+square image cannot tell some H/W swaps apart; batch 2 hides some batch bugs; a smooth upstream
+gradient hides others. So a diagnosis judges, besides the requested problem, these cheap ones:
+
+| probe | size | batch | why |
+|---|---|---|---|
+| `odd-61x67` | 61×67 | as asked | odd and non-square: an H/W swap shows, and a slip of one row or column is 1/61 of the image, not 1/1024 |
+| `odd-33x47-batch3` | 33×47 | 3 | batch 3 and another odd size: bugs that read only some samples or mix the batch axis with another |
+| `seed1-random-targets` | 45×39 | as asked | another seed and random targets: an upstream gradient without smooth structure, where slips that cancel on smooth gradients show |
+
+A network that cannot take a size (strides, pools, a linear layer after a flatten) gets the
+nearest size it takes, odd and non-square where it can. Probes use synthetic micrographs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import LabInputError
+from .problem import Problem, make_problem
+
+
+@dataclass(frozen=True)
+class Probe:
+    name: str
+    size: tuple[int, int]
+    batch: int | None  # None: the requested problem's batch
+    seed_offset: int
+    targets: str
+    why: str
+
+
+DEFAULT_PROBES = (
+    Probe("odd-61x67", (61, 67), None, 0, "task",
+          "odd and non-square: an H/W swap shows, and a slip of one row or column is 1/61 of the image"),
+    Probe("odd-33x47-batch3", (33, 47), 3, 0, "task",
+          "batch 3 and another odd size: bugs that read only some samples or mix the batch axis with another"),
+    Probe("seed1-random-targets", (45, 39), None, 1, "random",
+          "another seed and random targets: an upstream gradient without smooth structure"),
+)
+PROBES = {probe.name: probe for probe in DEFAULT_PROBES}
+
+
+def select(spec: str | None) -> list[Probe]:
+    """Probes from `--probes`: none, default, or a comma-separated list of names."""
+    if spec is None or spec == "default":
+        return list(DEFAULT_PROBES)
+    if spec == "none":
+        return []
+    chosen = []
+    for name in (part.strip() for part in spec.split(",")):
+        if name not in PROBES:
+            raise LabInputError(f"--probes: unknown probe {name!r}: choose none, default, or names among "
+                                f"{', '.join(PROBES)}")
+        chosen.append(PROBES[name])
+    return chosen
+
+
+def probe_size(probe: Probe, network) -> tuple[int, int]:
+    """The probe's size, or the nearest the network takes (odd and non-square first)."""
+    height, width = probe.size
+    if network.fits(height, width):
+        return height, width
+    near = network.sizes_near(height, width, limit=32)
+    if not near:
+        return network.default_size(max(height, width))
+    preferred = [hw for hw in near if hw[0] != hw[1] and hw[0] % 2 and hw[1] % 2]
+    non_square = [hw for hw in near if hw[0] != hw[1]]
+    return (preferred or non_square or near)[0]
+
+
+def probe_problem(probe: Probe, main: Problem) -> Problem:
+    """The probe's problem for the network of `main`."""
+    return make_problem(probe_size(probe, main.network), probe.batch or main.batch,
+                        max(main.seed, 0) + probe.seed_offset, network=main.network, targets=probe.targets)

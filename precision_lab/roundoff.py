@@ -1,0 +1,111 @@
+"""The rounding-error model's scalar factors and its two ways of adding up errors.
+
+For one sum s = Σ xᵢ·yᵢ of n terms computed at unit roundoff u, with S = Σ|xᵢ·yᵢ|:
+
+* the deterministic bound |ŝ − s| ≤ γₙ·S, γₙ = nu/(1 − nu) (Higham 2002, Eq. 3.4 and §3.1);
+* the probabilistic bound |ŝ − s| ≤ γ̃ₙ(λ)·S, γ̃ₙ(λ) = exp(λ√n·u + nu²/(1 − u)) − 1, which
+  holds with probability ≥ Q(λ, n) = 1 − 2n·exp(−λ²(1 − u)²/2) when rounding errors are
+  independent and of mean zero (Higham & Mary 2019, SIAM J. Sci. Comput. 41(5), Thm 2.4, 3.1);
+  it is the bound verdicts use: it covers every summation order, sequential included;
+* pairwise summation: γ_⌈log₂n⌉·S (Higham 2002, Eq. 4.6); blocked with block b:
+  γ_(b + ⌈n/b⌉ − 2)·S (Blanchard, Higham & Mary 2020, SIAM J. Sci. Comput. 42(3), Eq. 2.3);
+* reduced formats (tf32, fp16: u = 2⁻¹¹; bf16: u = 2⁻⁸) round the *operands* of a sum and
+  accumulate in float32; an operand rounding error is at most r(x) = u_f·|x| + η_f/2 (η_f the
+  subnormal spacing), independent and of mean zero per operand, so their effect on a sum is at
+  most λ·√(2·Σ(r(x)²y² + x²r(y)²)) (Hoeffding's inequality on the operands, as Higham & Mary 2019, §2).
+
+Errors that enter a long sum from upstream are mean-zero but dependent (each depends on the
+roundings within a few pixels): `sum_of_errors` bounds Σ cᵢeᵢ by the smaller of Σ|cᵢ|Eᵢ and
+λ·√(χ*·Σcᵢ²Eᵢ²), Hoeffding's inequality for sums with a dependency graph of fractional
+chromatic number χ* (Janson 2004, Random Struct. Alg. 24(3), Thm 2.1).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import formats
+
+#: λ of Higham & Mary (2019): Q(7, 2²¹) ≥ 0.9999, i.e. the bound fails for fewer than 1 in 10⁴ sums
+LAMBDA = 7.0
+
+#: smallest spacing of each format (subnormals): the absolute part of an operand's rounding error
+SUBNORMAL_SPACING = {"float64": 2.0 ** -1074, "float32": 2.0 ** -149, "tf32": 2.0 ** -149,
+                     "bfloat16": 2.0 ** -133, "float16": 2.0 ** -24}
+
+#: formats whose arithmetic accumulates in float32 but whose sum operands are rounded
+ROUNDED_OPERANDS = formats.REDUCED_FORMATS
+
+
+def gamma(n: int, u: float) -> float:
+    """Deterministic γₙ = nu/(1 − nu) (Higham 2002, Lemma 3.1); inf when nu ≥ 1."""
+    return n * u / (1 - n * u) if n * u < 1 else math.inf
+
+
+def probabilistic_gamma(n: int, u: float, lam: float = LAMBDA) -> float:
+    """γ̃ₙ(λ) = exp(λ√n·u + nu²/(1 − u)) − 1 (Higham & Mary 2019, Thm 2.4)."""
+    return math.expm1(lam * math.sqrt(n) * u + n * u * u / (1 - u))
+
+
+def failure_probability(n: int, lam: float = LAMBDA, u: float = formats.UNIT_ROUNDOFF["float32"]) -> float:
+    """1 − Q(λ, n) = 2n·exp(−λ²(1 − u)²/2): chance the probabilistic bound fails for one sum (Thm 3.1)."""
+    return min(1.0, 2 * n * math.exp(-lam * lam * (1 - u) ** 2 / 2))
+
+
+def pairwise_gamma(n: int, u: float) -> float:
+    """γ_⌈log₂ n⌉: pairwise (cascade) summation (Higham 2002, Eq. 4.6)."""
+    return gamma(max(1, math.ceil(math.log2(max(n, 2)))), u)
+
+
+def blocked_gamma(n: int, u: float, block: int = 256) -> float:
+    """γ_(b + ⌈n/b⌉ − 2): blocked summation, block b (Blanchard, Higham & Mary 2020, Eq. 2.3)."""
+    return gamma(max(1, block + math.ceil(n / block) - 2), u)
+
+
+def summation_factors(n: int, precision: str = "float32", lam: float = LAMBDA, block: int = 256) -> dict[str, float]:
+    """Every bound factor (multiply by S) for an n-term sum at `precision`, with λ's failure probability."""
+    u = formats.unit_roundoff(precision)
+    return {"n": n, "u": u, "deterministic": gamma(n, u), "probabilistic": probabilistic_gamma(n, u, lam),
+            "lambda": lam, "failure_probability": failure_probability(n, lam, u),
+            "pairwise": pairwise_gamma(n, u), "blocked": blocked_gamma(n, u, block), "block": block}
+
+
+def accumulation_precision(precision: str) -> str:
+    """The format sums are accumulated in: float32 for the reduced formats (tensor cores), else itself."""
+    formats.unit_roundoff(precision)  # raises for an unknown precision
+    return "float32" if precision in ROUNDED_OPERANDS else precision
+
+
+def dependency_count(radius: int | None, terms_per_group: int) -> int:
+    """χ* bound for the terms of a sum over an image grid whose error at p depends on roundings within
+    `radius` pixels of p: elements farther apart than 2·radius share no rounding event, so the dependency
+    graph has degree Δ ≤ (4·radius + 1)² − 1 and fractional chromatic number χ* ≤ Δ + 1 (Janson 2004).
+    `radius` None means every term of a group (one image, one sample) may depend on every other."""
+    if radius is None:
+        return max(1, terms_per_group)
+    return min((4 * radius + 1) ** 2, max(1, terms_per_group))
+
+
+def sum_of_errors(deterministic: torch.Tensor, squares: torch.Tensor, chi: int, lam: float) -> torch.Tensor:
+    """Bound on Σ c_p·e_p with |e_p| ≤ E_p mean-zero errors: min(Σ|c|E, λ·√(χ*·Σ c²E²)).
+
+    The second is Hoeffding's inequality for sums with a dependency graph (Janson 2004, Thm 2.1),
+    failing with probability ≤ 2·exp(−λ²/2).
+    """
+    return torch.minimum(deterministic, lam * torch.sqrt(chi * squares))
+
+
+def operand_rounding(x: torch.Tensor, precision: str) -> torch.Tensor:
+    """r(x) = u_f·|x| + η_f/2: the largest error of rounding x to `precision` (zero if not rounded)."""
+    if precision not in ROUNDED_OPERANDS:
+        return torch.zeros_like(x)
+    return formats.unit_roundoff(precision) * x.abs() + SUBNORMAL_SPACING[precision] / 2
+
+
+def rounding_term(op, x: torch.Tensor, y: torch.Tensor, precision: str, lam: float) -> torch.Tensor | float:
+    """λ·√(2·Σ(r(x)²y² + x²r(y)²)): rounded operands' effect on the sum op(x, y) (Hoeffding); 0 when not rounded."""
+    if precision not in ROUNDED_OPERANDS:
+        return 0.0
+    rx, ry = operand_rounding(x, precision), operand_rounding(y, precision)
+    return lam * torch.sqrt(2 * (op(rx * rx, y * y) + op(x * x, ry * ry)))

@@ -1,0 +1,195 @@
+"""Any network, not only the seed's: model specs, the op registry, PyTorch modules, and the examples."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from precision_lab import cli
+from precision_lab.candidates import resolve
+from precision_lab.compute import autograd_forward_backward, forward_backward
+from precision_lab.model import SEED_SPEC, ModelSpecError, load_model, parse_spec
+from precision_lab.modules import from_module
+from precision_lab.paths import ROOT
+from precision_lab.problem import make_problem
+from precision_lab.reference import reference
+from precision_lab.verdict import judge
+
+EXAMPLES = ROOT / "examples" / "models"
+SPECS = {"unet": EXAMPLES / "small-unet.json", "resnet": EXAMPLES / "dilated-resnet.yaml",
+         "classifier": EXAMPLES / "lenet-classifier.json"}
+#: small, non-square sizes each network takes (the classifier's linear layer fixes its input at 28×28)
+SIZES = {"unet": (20, 26), "resnet": (17, 23), "classifier": (28, 28)}
+
+
+def test_seed_form_expands_to_the_seed_network():
+    network = parse_spec(SEED_SPEC)
+    assert network.parameter_names == ("conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "conv3.weight",
+                                       "conv3.bias")
+    assert [layer.name for layer in network.layers] == ["conv1", "act1", "conv2", "act2", "conv3"]
+    assert network.param_shapes["conv2.weight"] == (16, 16, 3, 3)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"layers": [{"name": "a", "op": "swish"}]}, r"unknown op 'swish': supported ops are conv2d, linear, relu"),
+    ({"layers": [{"name": "c", "op": "conv2d", "in": 2, "out": 4, "kernel": 3}]}, r"c: receives 1 channels but declares 'in': 2"),
+    ({"layers": [{"name": "c", "op": "conv2d", "in": 1, "out": 4, "kernel": 3}, {"op": "add", "from": "nope"}]},
+     r"'from' is 'nope', which names no earlier layer"),
+    ({"layers": [{"name": "c", "op": "conv2d", "in": 1, "out": 1, "kernel": 3},
+                 {"name": "c", "op": "conv2d", "in": 1, "out": 1, "kernel": 3}]}, r"c: duplicate layer name"),
+    ({"layers": [{"op": "conv2d", "in": 1, "out": 1, "kernel": 3}]}, r"needs a unique 'name'"),
+    ({"layers": [{"name": "c", "op": "conv2d", "in": 1, "out": 1, "kernel": 3, "stide": 2}]},
+     r"unknown key 'stide' for op conv2d"),
+    ({"layers": [{"name": "f", "op": "linear", "in": 4, "out": 2}]}, r"f: linear needs features .* put a flatten"),
+    ({"layers": [{"name": "c", "op": "conv2d", "in": 1, "out": 2, "kernel": 3}], "loss": "hinge"},
+     r"unknown loss 'hinge'"),
+    ({"channels": [1, 4, 1], "activation": "swish"}, r"key 'activation' is 'swish'"),
+])
+def test_bad_specs_name_the_layer_in_one_line(spec, message):
+    with pytest.raises(ModelSpecError, match=message) as info:
+        parse_spec(spec, "spec.json")
+    assert "\n" not in str(info.value) and "spec.json" in str(info.value)
+
+
+def test_sizes_a_stride_or_pool_cannot_divide_name_the_layer():
+    unet = load_model(SPECS["unet"])
+    with pytest.raises(ModelSpecError, match=r"down: input height 21 is not a multiple of the stride 2"):
+        unet.check_size(21, 26)
+    classifier = load_model(SPECS["classifier"])
+    with pytest.raises(ModelSpecError, match=r"p2: input height 11 cannot be divided into 2-pixel windows"):
+        classifier.check_size(30, 30)
+    assert classifier.default_size(1024) == (28, 28)  # the linear layer fixes the input size
+    assert unet.sizes_near(61, 67, limit=1) == [(62, 68)]
+
+
+def test_diagnose_refuses_a_size_the_network_cannot_take(capsys):
+    code = cli.main(["diagnose", "--candidate", "native", "--model", str(SPECS["unet"]), "--size", "31x32",
+                     "--probes", "none"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "down: input height 31" in err
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_walk_equals_pytorch_autograd_on_every_example(name):
+    problem = make_problem(SIZES[name], 3, 1, network=load_model(SPECS[name]))
+    mine = forward_backward(problem, "float64")
+    torch_result = autograd_forward_backward(problem, "float64")
+    assert abs(mine.loss - torch_result.loss) <= 1e-13 * abs(torch_result.loss)
+    for parameter in problem.network.parameter_names:
+        scale = np.abs(torch_result.grads[parameter]).max()
+        assert np.abs(mine.grads[parameter] - torch_result.grads[parameter]).max() <= 1e-12 * scale, parameter
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_reference_in_place_walk_equals_the_plain_float64_walk(name):
+    # the in-place float64 reference (ReLUs overwrite their input, gradients masked in place) changes nothing
+    from precision_lab.reference import reference_kernels
+
+    problem = make_problem(SIZES[name], 2, 2, network=load_model(SPECS[name]))
+    fast, plain = reference(problem), forward_backward(problem, "float64", kernels=reference_kernels("cpu"))
+    for parameter in problem.network.parameter_names:
+        assert np.array_equal(fast.grads[parameter], plain.grads[parameter]), parameter
+
+
+def test_from_module_reads_sequential_and_traced_modules():
+    sequential = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 2, 3, padding=1))
+    network = from_module(sequential)
+    assert network.parameter_names == ("0.weight", "0.bias", "3.weight", "3.bias")
+    assert [layer.op for layer in network.layers] == ["conv2d", "relu", "max_pool2d", "conv2d"]
+
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.body = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            h = torch.relu(self.stem(x))
+            return torch.tanh(self.body(h)) + h
+
+    traced = from_module(Residual())
+    assert [layer.op for layer in traced.layers] == ["conv2d", "relu", "conv2d", "tanh", "add"]
+    assert traced.layers[-1].source == 1  # the add reads the ReLU's output
+    problem = make_problem(12, 1, 0, network=traced)
+    module = Residual().double()
+    with torch.no_grad():
+        for key, value in module.state_dict().items():
+            value.copy_(torch.from_numpy(problem.params[key]))
+    x = torch.from_numpy(problem.input).double()
+    assert torch.allclose(module(x), torch.from_numpy(forward_backward(problem, "float64").output), atol=1e-14)
+
+
+def test_from_module_names_an_unsupported_op():
+    with pytest.raises(ModelSpecError, match=r"1: unsupported module BatchNorm2d: supported ops are conv2d"):
+        from_module(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)))
+
+
+def test_cross_entropy_targets_are_class_indices():
+    problem = make_problem(28, 3, 0, network=load_model(SPECS["classifier"]))
+    assert problem.target.dtype == np.int64 and problem.target.shape == (3,)
+    assert problem.target.min() >= 0 and problem.target.max() < 10
+
+
+# ---------------------------------------------------------------------------------------------
+# the examples as command candidates: right ones roundoff, each planted slip caught with its cause
+
+
+def _diagnose(capsys, tmp_path, yaml_name, size, probes="none"):
+    out_json = tmp_path / "verdict.json"
+    code = cli.main(["diagnose", "--candidate", str(EXAMPLES / yaml_name), "--size", f"{size[0]}x{size[1]}",
+                     "--batch", "2", "--probes", probes, "--json", str(out_json)])
+    capsys.readouterr()
+    return code, json.loads(out_json.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("yaml_name, size", [("unet.yaml", SIZES["unet"]), ("resnet.yaml", SIZES["resnet"]),
+                                             ("classifier.yaml", SIZES["classifier"])])
+def test_right_example_candidates_are_roundoff_with_probes(capsys, tmp_path, yaml_name, size):
+    code, verdict = _diagnose(capsys, tmp_path, yaml_name, size, probes="default")
+    assert code == 0 and verdict["verdict"] == "roundoff", verdict["evidence"]
+    assert len(verdict["probes"]) == 3 and all(p["verdict"] == "roundoff" for p in verdict["probes"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("yaml_name, size, verdict_, cause", [
+    ("unet-upsample-slip.yaml", SIZES["unet"], "defect", "up backward takes each block's first gradient"),
+    ("unet-flip-slip.yaml", SIZES["unet"], "layout", "flip HW"),
+    ("unet-tf32-slip.yaml", SIZES["unet"], "reduced-precision", "tf32"),
+    ("resnet-skip-slip.yaml", SIZES["resnet"], "defect", "res backward passes no gradient to the skip from act0"),
+    ("resnet-ohwi-slip.yaml", SIZES["resnet"], "layout", "layout OHWI"),
+    ("classifier-sum-ce-slip.yaml", SIZES["classifier"], "defect", "scaled by 2 = the batch size"),
+    ("classifier-mask-slip.yaml", SIZES["classifier"], "defect", "mask missing"),
+])
+def test_planted_slips_are_caught_with_their_cause(capsys, tmp_path, yaml_name, size, verdict_, cause):
+    code, verdict = _diagnose(capsys, tmp_path, yaml_name, size)
+    assert code == 1 and verdict["verdict"] == verdict_, verdict["evidence"]
+    named = verdict["layout_fix"] or verdict["format"] or verdict["cause"] or ""
+    assert cause in named, named
+
+
+@pytest.mark.slow
+def test_intermediates_name_the_first_op_that_fails(tmp_path):
+    # the response carries every named layer's output and output gradient: the ReLU backward is named
+    from precision_lab.candidates.command import load_command_candidate
+
+    yaml_path = tmp_path / "cand.yaml"
+    yaml_path.write_text(f"name: masked\nmodel: {SPECS['classifier']}\n"
+                         f"command: ['{{python}}', {EXAMPLES / 'candidate.py'}, '{{request}}', '{{response}}', "
+                         f"--slip, mask, --intermediates]\n")
+    candidate = load_command_candidate(yaml_path)
+    problem = make_problem(28, 2, 0, network=candidate.network)
+    result = candidate.compute(problem)
+    assert "r2.output.grad" in result.intermediates
+    judgement = judge(result, reference(problem), "float32", candidate.name)
+    assert judgement.verdict == "defect"
+    assert judgement.localisation.startswith("r2 backward"), judgement.localisation
+    assert "mask missing" in judgement.localisation
+
+
+def test_a_command_candidate_refuses_another_network(tmp_path):
+    candidate = resolve(str(EXAMPLES / "unet.yaml"))
+    with pytest.raises(ValueError, match="computes the network 'small-unet'"):
+        candidate.compute(make_problem(16, 1, 0))
