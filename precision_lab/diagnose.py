@@ -37,6 +37,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help=f"problem seed (default {DEFAULT_SEED})")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
     parser.add_argument("--json", metavar="OUT", help="write the verdict as JSON to this file")
+    parser.add_argument("--max-calls", type=int, default=None, metavar="N",
+                        help="opaque candidates: program calls the gradient check may make (default max(60, 20 + 4·tensors))")
 
 
 def candidate_and_problem(candidate_spec: str | None, bundle: str | None, size: int | None, batch: int | None,
@@ -91,6 +93,12 @@ def _overlapped(candidate: Candidate, program: CommandProgram, problem: Problem,
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.candidate is not None:  # `model: opaque`: the reference-free gradient check instead
+        from .candidates.opaque import OpaqueCandidate, run_diagnose
+
+        opaque = resolve(args.candidate)
+        if isinstance(opaque, OpaqueCandidate):
+            return run_diagnose(opaque, args)
     candidate, problem = candidate_and_problem(args.candidate, args.bundle, args.size, args.batch, args.seed)
     judgement = diagnose(candidate, problem, args.device)
     print(f"problem: {problem.size}×{problem.size}, batch {problem.batch}, seed {problem.seed}, {problem.source}")

@@ -42,7 +42,7 @@ from ..problem import Problem, Result
 from . import Candidate, CandidateError
 
 KEYS = ("name", "description", "command", "command_float64", "precision", "weight_layout", "timeout_s",
-        "request_format", "env")
+        "request_format", "env", "model", "start")
 REQUEST_FORMATS = ("npz", "raw")
 #: variables passed through from the lab's environment when set (the rest is not inherited)
 PASSTHROUGH_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES",
@@ -119,6 +119,14 @@ def load_command_candidate(path: str | Path) -> Candidate:
     """A Candidate (family "command") from a candidate YAML; every key is checked here."""
     path = Path(path).resolve()
     spec = _read_yaml(path)
+    if spec.get("model") == "opaque":  # a network the lab has no model of: the reference-free gradient check
+        from .opaque import load_opaque_candidate
+
+        return load_opaque_candidate(path, spec)
+    for key in ("model", "start"):
+        if key in spec:
+            raise CommandCandidateError(f"{path}: key {key!r} is {spec[key]!r}: only `model: opaque` (with `start: DIR`) "
+                                        f"is understood here; remove it for the seed CNN")
     name = spec.get("name", path.stem)
     if not isinstance(name, str) or not name.strip():
         raise CommandCandidateError(f"{path}: key 'name' must be a non-empty string")
