@@ -78,6 +78,9 @@ KINK_FRACTION = 0.5
 #: |f₊ − 2f₀ + f₋|/2 = J/2 and the halves' difference |ρ₊ − ρ₋|/a ≤ J/2; their sum (× this factor) is
 #: added to the uncertainty. For a smooth loss it is O(a²) and vanishes beside a real error.
 NONSMOOTH_ALLOWANCE = 1.0
+#: a loss "does not respond" to the noise steps when its fitted slope is within this many standard
+#: errors of zero while its gradient predicts ten times that (a generous t₅ quantile)
+ALPHA_CRITICAL_FLAT = 10.0
 #: two-sided false-alarm probability of one comparison (Student t with the noise fit's dof)
 ALPHA = 1e-4
 #: a disagreement persists when the residual at the smaller step is within this factor of the larger
@@ -345,6 +348,16 @@ class Noise:
     dof: int
     grad_sigma: dict[str, np.ndarray]  # σ_g per element
     step_ulps: int = NOISE_ULPS
+    slope: float = math.nan  # the fitted loss change per unit step along the noise line
+    slope_sigma: float = math.nan
+    predicted_slope: float = math.nan  # what the gradient says it is
+
+    @property
+    def responsive(self) -> bool:
+        """False when the loss ignores steps of a few ulps that its gradient says are far beyond its noise:
+        the build rounds its parameters to a coarser format (a "float64" build that computes in float32)."""
+        flat = abs(self.slope) <= ALPHA_CRITICAL_FLAT * self.slope_sigma
+        return not (flat and abs(self.predicted_slope) > 10 * ALPHA_CRITICAL_FLAT * max(self.slope_sigma, 1e-300))
 
     def direction_sigma(self, displacement: dict[str, np.ndarray]) -> float:
         """Noise of g·Δ: √Σ Δᵢ²σ_gᵢ² (elements' roundings taken as independent)."""
@@ -373,11 +386,14 @@ def measure_noise(calls: Calls, build: str, precision: str, base: dict[str, np.n
     dof = len(t) - 2
     losses = np.array([evaluations[m].loss for m in sorted(evaluations)])
     loss_sigma = float(np.sqrt(np.sum((projector @ losses) ** 2) / dof))
+    slope = float((np.linalg.pinv(design) @ losses)[1])
+    slope_sigma = loss_sigma / math.sqrt(float(np.sum((t - t.mean()) ** 2)))
     grad_sigma = {}
     for name in base:
         stacked = np.stack([evaluations[m].grads[name].ravel() for m in sorted(evaluations)])
         grad_sigma[name] = np.sqrt(np.sum((projector @ stacked) ** 2, axis=0) / dof).reshape(base[name].shape)
-    return Noise(build, precision, at_base.loss, loss_sigma, dof, grad_sigma)
+    return Noise(build, precision, at_base.loss, loss_sigma, dof, grad_sigma, slope=slope, slope_sigma=slope_sigma,
+                 predicted_slope=_dot(at_base.grads, displacement))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,7 +509,8 @@ class Checker:
         g_norm = math.sqrt(sum(float(np.sum((self.at_base.grads[k] * (v != 0)) ** 2)) for k, v in displacement.items()))
         norm = math.sqrt(sum(float(np.sum(v * v)) for v in displacement.values()))
         typical = g_norm * norm / math.sqrt(max(support, 1))
-        scale = max(abs(claimed), typical, self.global_typical * norm * 1e-6)
+        # a tensor whose gradient is (near) zero is judged against the model's typical gradient size
+        scale = max(abs(claimed), typical, self.global_typical * norm)
         return Direction(label, displacement, self.build, claimed, scale if scale > 0 else 1e-300)
 
     def evaluate_level(self, direction: Direction, multiplier: float,
@@ -682,7 +699,8 @@ def localise(checker: Checker, parent: Direction, shapes: dict[str, tuple[int, .
                 probe = checker.direction(f"{parent.label} restricted to {first.describe(shapes)}",
                                           first.restrict(parent.displacement))
                 if not any(np.any(v) for v in probe.displacement.values()):
-                    continue
+                    region, moved = second, True  # the first half does not move along this direction
+                    break
                 measured = checker.evaluate_level(probe, multiplier)
             except BudgetSpent:
                 found.append(Located(region.describe(shapes), error, sigma, "the call budget ran out here"))
@@ -691,7 +709,8 @@ def localise(checker: Checker, parent: Direction, shapes: dict[str, tuple[int, .
                 continue  # a kink along this half: try the next way of splitting
             e1, s1 = measured.error, measured.error_sigma
             e2, s2 = error - e1, math.hypot(sigma, s1)
-            in_first, in_second = abs(e1) > checker.critical * s1, abs(e2) > checker.critical * s2
+            in_first = abs(e1) > measured.bound
+            in_second = abs(e2) > checker.critical * s2 + measured.allowance
             if in_first and not in_second:
                 region, error, sigma, moved = first, e1, s1, True
             elif in_second and not in_first:
@@ -705,7 +724,7 @@ def localise(checker: Checker, parent: Direction, shapes: dict[str, tuple[int, .
             break
         if not moved:
             note = f"spread along {', '.join(spread_axes)}" if spread_axes else "cannot be split further"
-            found.append(Located(region.describe(shapes), error, sigma, note, wrong_by))
+            found.append(Located(region.describe(shapes), error, sigma, note))
             return found
 
 
@@ -979,6 +998,8 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
         at_base = calls(fd_build, base)
         scales = tensor_scales(base)
         noise = {fd_build: measure_noise(calls, fd_build, fd_precision, base, at_base, scales, rng)}
+        if not noise[fd_build].responsive:
+            return _unresponsive(oracle, noise, fd_build, fd_precision, shapes, calls, budget, started, seed)
         step = formats.unit_roundoff(fd_precision) ** STEP_EXPONENT
         multipliers = [s * LEVEL_FACTOR ** -i for i in range(MAX_LEVELS) for s in (1, -1)]
 
@@ -1079,6 +1100,21 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
     verdict = "defect" if "defect" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "roundoff")
     return GradCheck(oracle.name, claimed, has_float64, verdict, tensors, whole, loss_comparison, noise,
                      dict(calls.counts), budget, time.perf_counter() - started, calls.program_s, seed, notes)
+
+
+def _unresponsive(oracle, noise, build, precision, shapes, calls, budget, started, seed) -> GradCheck:
+    """The differenced build ignores small steps of its parameters: nothing can be judged with it."""
+    measured = noise[build]
+    words = (f"the {build} build's loss does not change along steps of {NOISE_ULPS} {precision} ulps (fitted slope "
+             f"{measured.slope:.3g} ± {measured.slope_sigma:.2g}) although its gradient says {measured.predicted_slope:.3g}: "
+             f"it rounds its parameters to a coarser format than {precision}")
+    settle = ("make command_float64 compute in float64 throughout (or drop it)" if build == "float64"
+              else f"make the program compute in {precision} as claimed")
+    tensors = {name: TensorVerdict(name, shape, "inconclusive", math.nan, math.nan, [words], settle=settle)
+               for name, shape in shapes.items()}
+    calls.close()
+    return GradCheck(oracle.name, oracle.claimed_precision, bool(oracle.has_float64), "inconclusive", tensors, [], None,
+                     noise, dict(calls.counts), budget, time.perf_counter() - started, calls.program_s, seed, [words])
 
 
 def _refine(checker: Checker, tensor_directions: dict[str, list[Direction]], whole: list[Direction],
