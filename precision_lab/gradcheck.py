@@ -79,7 +79,7 @@ KINK_FRACTION = 0.5
 #: added to the uncertainty. For a smooth loss it is O(a²) and vanishes beside a real error.
 NONSMOOTH_ALLOWANCE = 1.0
 #: a loss "does not respond" to the noise steps when its fitted slope is within this many standard
-#: errors of zero while its gradient predicts ten times that (a generous t₅ quantile)
+#: errors of zero while its gradient predicts twice that (10: beyond t₅'s 1e-3 quantile, 6.9)
 ALPHA_CRITICAL_FLAT = 10.0
 #: two-sided false-alarm probability of one comparison (Student t with the noise fit's dof)
 ALPHA = 1e-4
@@ -308,7 +308,7 @@ class Calls:
             from tqdm import tqdm
 
             self.bar = tqdm(desc=f"gradient check {oracle.name} (≤ {budget} calls)", unit="call", file=sys.stderr,
-                            dynamic_ncols=True, mininterval=0.5, leave=False)
+                            dynamic_ncols=True, mininterval=0.5, leave=False, disable=None)  # None: off when not a terminal
 
     @property
     def used(self) -> int:
@@ -357,7 +357,7 @@ class Noise:
         """False when the loss ignores steps of a few ulps that its gradient says are far beyond its noise:
         the build rounds its parameters to a coarser format (a "float64" build that computes in float32)."""
         flat = abs(self.slope) <= ALPHA_CRITICAL_FLAT * self.slope_sigma
-        return not (flat and abs(self.predicted_slope) > 10 * ALPHA_CRITICAL_FLAT * max(self.slope_sigma, 1e-300))
+        return not (flat and abs(self.predicted_slope) > 2 * ALPHA_CRITICAL_FLAT * max(self.slope_sigma, 1e-300))
 
     def direction_sigma(self, displacement: dict[str, np.ndarray]) -> float:
         """Noise of g·Δ: √Σ Δᵢ²σ_gᵢ² (elements' roundings taken as independent)."""
@@ -385,13 +385,17 @@ def measure_noise(calls: Calls, build: str, precision: str, base: dict[str, np.n
     projector = np.eye(len(t)) - design @ np.linalg.pinv(design)  # residual maker of a straight-line fit
     dof = len(t) - 2
     losses = np.array([evaluations[m].loss for m in sorted(evaluations)])
-    loss_sigma = float(np.sqrt(np.sum((projector @ losses) ** 2) / dof))
+    u = formats.unit_roundoff(precision)
+    # floor: a loss or gradient returned in a format was rounded to it at least once (≤ u·|value|), even
+    # when the program's arithmetic happens to be exact at these points (a polynomial loss, say)
+    loss_sigma = max(float(np.sqrt(np.sum((projector @ losses) ** 2) / dof)), u * float(np.max(np.abs(losses))))
     slope = float((np.linalg.pinv(design) @ losses)[1])
     slope_sigma = loss_sigma / math.sqrt(float(np.sum((t - t.mean()) ** 2)))
     grad_sigma = {}
     for name in base:
         stacked = np.stack([evaluations[m].grads[name].ravel() for m in sorted(evaluations)])
-        grad_sigma[name] = np.sqrt(np.sum((projector @ stacked) ** 2, axis=0) / dof).reshape(base[name].shape)
+        fitted = np.sqrt(np.sum((projector @ stacked) ** 2, axis=0) / dof)
+        grad_sigma[name] = np.maximum(fitted, u * np.max(np.abs(stacked), axis=0)).reshape(base[name].shape)
     return Noise(build, precision, at_base.loss, loss_sigma, dof, grad_sigma, slope=slope, slope_sigma=slope_sigma,
                  predicted_slope=_dot(at_base.grads, displacement))
 
