@@ -505,7 +505,6 @@ class Checker:
         self.critical = t_critical(ALPHA, noise.dof)
         total = sum(v.size for v in base.values())
         self.global_typical = math.sqrt(sum(float(np.sum(g * g)) for g in at_base.grads.values()) / max(total, 1))
-        self.evaluated: dict[tuple, Evaluation] = {}
 
     def direction(self, label: str, displacement: dict[str, np.ndarray]) -> Direction:
         claimed = _dot(self.at_base.grads, displacement)
@@ -673,6 +672,7 @@ class Located:
     sigma: float
     note: str = ""
     element_error: float | None = None  # a single element: how far its gradient is off
+    tensors: list[str] = field(default_factory=list)  # the tensors the region touches
 
 
 def localise(checker: Checker, parent: Direction, shapes: dict[str, tuple[int, ...]]) -> list[Located]:
@@ -694,7 +694,7 @@ def localise(checker: Checker, parent: Direction, shapes: dict[str, tuple[int, .
                 note += (f": its gradient {claimed:.8g} is off by {wrong_by:.3g} "
                          f"({abs(wrong_by / claimed) if claimed else math.inf:.2g} relative; the loss says "
                          f"{claimed - wrong_by:.8g})")
-            found.append(Located(region.describe(shapes), error, sigma, note, wrong_by))
+            found.append(Located(region.describe(shapes), error, sigma, note, wrong_by, list(region.boxes)))
             return found
         moved = False
         spread_axes = []
@@ -707,7 +707,8 @@ def localise(checker: Checker, parent: Direction, shapes: dict[str, tuple[int, .
                     break
                 measured = checker.evaluate_level(probe, multiplier)
             except BudgetSpent:
-                found.append(Located(region.describe(shapes), error, sigma, "the call budget ran out here"))
+                found.append(Located(region.describe(shapes), error, sigma, "the call budget ran out here",
+                                     tensors=list(region.boxes)))
                 return found
             if measured.status == "kinked":
                 continue  # a kink along this half: try the next way of splitting
@@ -723,12 +724,13 @@ def localise(checker: Checker, parent: Direction, shapes: dict[str, tuple[int, .
                 spread_axes.append(way)
                 continue
             else:
-                found.append(Located(region.describe(shapes), error, sigma, f"neither half of {way} carries the error alone"))
+                found.append(Located(region.describe(shapes), error, sigma, f"neither half of {way} carries the error alone",
+                                     tensors=list(region.boxes)))
                 return found
             break
         if not moved:
             note = f"spread along {', '.join(spread_axes)}" if spread_axes else "cannot be split further"
-            found.append(Located(region.describe(shapes), error, sigma, note))
+            found.append(Located(region.describe(shapes), error, sigma, note, tensors=list(region.boxes)))
             return found
 
 
@@ -1066,14 +1068,13 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
                     np.stack([a.grads[name] for a in float64_answers]), noise["float64"].grad_sigma[name], claimed,
                     direction=tensor_steps[name][name] / max(np.linalg.norm(tensor_steps[name][name]), 1e-300))
         for tensor in tensors.values():
-            _judge_tensor(tensor, at_base, claimed, has_float64)
+            _judge_tensor(tensor, claimed, has_float64)
         # a failing whole-vector direction no tensor explains: find the tensor by halving it
         whole_failing = [d for d in whole if d.outcome == "disagree"]
         if whole_failing and not any(t.verdict == "defect" for t in tensors.values()):
             located = localise(checker, whole_failing[0], shapes)
             for found in located:
-                names = [n for n in base if found.region.startswith(n)]
-                for n in names[:1]:
+                for n in found.tensors:
                     tensors[n].verdict = "defect"
                     tensors[n].evidence.append(f"found by halving a failing whole-vector direction: {found.region} "
                                                f"({found.note})")
@@ -1146,7 +1147,7 @@ def _refine(checker: Checker, tensor_directions: dict[str, list[Direction]], who
             checker.advance(direction)
 
 
-def _judge_tensor(tensor: TensorVerdict, at_base: Evaluation, claimed: str, has_float64: bool) -> None:
+def _judge_tensor(tensor: TensorVerdict, claimed: str, has_float64: bool) -> None:
     """Combine the finite-difference directions and the build comparison into the tensor's verdict."""
     build = "float64" if has_float64 else claimed
     decided = [d for d in tensor.directions if d.outcome in ("agree", "disagree")]
@@ -1188,7 +1189,8 @@ def _judge_tensor(tensor: TensorVerdict, at_base: Evaluation, claimed: str, has_
             + (f"; pattern {comparison.pattern}" if comparison.pattern else "")
             + (f"; {comparison.directional}" if comparison.directional else ""))
         tensor.located = tensor.located or [Located(comparison.pattern or tensor.name, worst["error"], worst["spread"],
-                                                    f"{comparison.flagged} element(s), {claimed} build only")]
+                                                    f"{comparison.flagged} element(s), {claimed} build only",
+                                                    tensors=[tensor.name])]
     elif math.isfinite(comparison.spread_excess) and comparison.spread_excess > limit:
         tensor.verdict = "defect"
         tensor.evidence.append(

@@ -7,8 +7,6 @@ KAN example through `precision-lab diagnose` are marked slow.
 from __future__ import annotations
 
 import json
-import math
-import sys
 import textwrap
 from pathlib import Path
 
