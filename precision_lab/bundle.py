@@ -83,17 +83,20 @@ def write_bundle(directory: str | Path, kind: str, precision: str, weight_layout
     manifest = {"format": FORMAT, "kind": kind, "model": model, "precision": precision,
                 "weight_layout": weight_layout, **(extra or {})}
     if raw:
-        manifest["arrays"] = {}
-        for name, value in arrays.items():
-            value = np.asarray(value)
-            # ravel(order="F") writes column-major bytes: a Fortran program declares the same shape
-            value.ravel(order="F").astype(value.dtype.newbyteorder("<"), copy=False).tofile(directory / f"{name}.bin")
-            manifest["arrays"][name] = {"file": f"{name}.bin", "dtype": value.dtype.name,
-                                        "shape": list(value.shape), "order": "F"}
+        manifest["arrays"] = {name: write_raw_array(directory, name, value) for name, value in arrays.items()}
     else:
         np.savez(directory / NPZ, **{name: np.array(value, order="C") for name, value in arrays.items()})
     (directory / MANIFEST).write_text(manifest_text(manifest))
     return directory
+
+
+def write_raw_array(directory: Path, name: str, value: np.ndarray, order: str = "F", file: str | None = None) -> dict:
+    """Write one array as a little-endian raw binary in `order`; returns its bundle.json entry."""
+    value = np.asarray(value)
+    file = file or f"{name}.bin"
+    # ravel(order="F") writes column-major bytes: a Fortran program declares the same shape
+    value.ravel(order=order).astype(value.dtype.newbyteorder("<"), copy=False).tofile(Path(directory) / file)
+    return {"file": file, "dtype": value.dtype.name, "shape": list(value.shape), "order": order}
 
 
 def manifest_text(manifest: dict) -> str:

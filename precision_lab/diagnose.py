@@ -51,6 +51,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", default="1", help="run the candidate K times on the problem and report the "
                                                        "run-to-run spread (default 1)")
     parser.add_argument("--json", metavar="OUT", help="write the verdict as JSON to this file")
+    parser.add_argument("--max-calls", type=int, default=None, metavar="N",
+                        help="opaque candidates: program calls the gradient check may make (default max(60, 20 + 4·tensors))")
 
 
 @dataclass
@@ -258,6 +260,12 @@ def _apply_spread(judgement: Judgement, spread: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.candidate is not None:  # `model: opaque`: the reference-free gradient check instead
+        from .candidates.opaque import OpaqueCandidate, run_diagnose
+
+        opaque = resolve(args.candidate)
+        if isinstance(opaque, OpaqueCandidate):
+            return run_diagnose(opaque, args)
     size = options.size(args.size, "--size")
     batch = options.positive(args.batch, "--batch")
     seed = options.nonnegative(args.seed, "--seed")

@@ -333,4 +333,5 @@ _MEANING = {"size": ("integer", _positive_size), "sizes": ("integers", _sizes),
             "batch": ("integer", _positive), "steps": ("integer", _non_negative),
             "seed": ("integer", _non_negative), "lr": ("number", _positive), "adam_lr": ("number", _positive),
             "device": ("string", _device), "candidates": ("strings", _candidates), "image": ("string", _image),
-            "trajectory_size": ("integer", _positive_size), "model": ("string", _model)}
+            "trajectory_size": ("integer", _positive_size), "model": ("string", _model),
+            "opaque_candidates": ("strings", _candidates)}

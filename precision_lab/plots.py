@@ -9,7 +9,8 @@ import pandas as pd
 
 from .formats import unit_roundoff
 
-VERDICT_COLOURS = {"roundoff": "#2b8a3e", "reduced-precision": "#e67700", "layout": "#1971c2", "defect": "#c92a2a"}
+VERDICT_COLOURS = {"roundoff": "#2b8a3e", "reduced-precision": "#e67700", "layout": "#1971c2", "defect": "#c92a2a",
+                   "inconclusive": "#5c5f66"}
 
 
 def _candidate_colours(names) -> dict[str, tuple]:
@@ -149,5 +150,40 @@ def verdict_table_style(frame: pd.DataFrame):
     return frame.style.map(colour, subset=["verdict"]).format(precision=3, escape="html").hide(axis="index")
 
 
+def difference_quotient_figure(v_table: pd.DataFrame, lines: dict, practice_epsilon: float = 1e-5):
+    """06: |central difference − derivative| against ε (the V), with the truncation and rounding lines."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    eps = np.array(sorted(v_table.epsilon.unique()))
+    fine = np.logspace(np.log10(eps.min()), np.log10(eps.max()), 100)
+    for precision, colour in (("float32", "#c92a2a"), ("float64", "#1971c2")):
+        rows = v_table[v_table.precision == precision].sort_values("epsilon")
+        ax.loglog(rows.epsilon, np.clip(rows.error, 1e-18, None), "o-", color=colour, label=f"{precision} central difference")
+    ax.loglog(fine, [lines["truncation"](e) for e in fine], "--", color="0.3", label="truncation ε²·|L‴|/6")
+    ax.loglog(fine, [lines["rounding"](e) for e in fine], ":", color="#c92a2a",
+              label="float32 rounding (loss noise, rounded step)/ε")
+    ax.axhline(1e-3 * abs(lines["truth"]), color="#e67700", lw=1, label="rtol 1e-3 × |derivative|")
+    ax.axvline(practice_epsilon, color="0.6", lw=1)
+    ax.text(practice_epsilon, ax.get_ylim()[1], " ε = 1e-5", va="top", fontsize=8, color="0.4")
+    ax.set_xlabel("step ε along a random unit direction")
+    ax.set_ylabel("|difference quotient − derivative|")
+    ax.set_title("Central differences: truncation falls as ε², rounding grows as 1/ε")
+    return _finish(fig, ax, legend_columns=1)
+
+
+def pass_rate_figure(rates: pd.DataFrame):
+    """06: the practice's pass rate against ε for each candidate, with what the noise predicts."""
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    for (candidate, rows), colour in zip(rates.groupby("candidate", sort=False), ("#2b8a3e", "#c92a2a", "#1971c2")):
+        rows = rows.sort_values("epsilon")
+        ax.semilogx(rows.epsilon, 100 * rows.pass_rate, "o-", color=colour, label=f"{candidate}: observed")
+        ax.semilogx(rows.epsilon, 100 * rows.predicted_pass_rate, "--", color=colour,
+                    label=f"{candidate}: predicted from the measured noise (right gradient)")
+    ax.set_ylim(0, 102)
+    ax.set_xlabel("ε")
+    ax.set_ylabel("elements passing rtol 1e-3, atol 1e-6 (%)")
+    ax.set_title("float32 finite-difference 'pass rate' of the KAN's gradient")
+    return _finish(fig, ax, legend_columns=1)
+
+
 __all__ = ["masking_figure", "trajectory_figure", "recompilation_figure", "sweep_figure", "bound_ratio_figure",
-           "verdict_table_style"]
+           "verdict_table_style", "difference_quotient_figure", "pass_rate_figure"]

@@ -34,7 +34,7 @@ def test_notebook_writes_a_summary_and_a_headline_figure(executed, name):
     folder = executed[name]
     summary = pd.read_csv(folder / "summary.csv")
     assert list(summary.columns[:4]) == ["candidate", "experiment", "verdict", "headline"]
-    assert len(summary) >= 1 and summary.verdict.isin(["roundoff", "reduced-precision", "layout", "defect"]).all()
+    assert len(summary) >= 1 and summary.verdict.isin(["roundoff", "reduced-precision", "layout", "defect", "inconclusive"]).all()
     assert (folder / "headline.png").stat().st_size > 5_000
 
 
@@ -85,3 +85,17 @@ def test_noise_floor_members_stay_below_the_bound(executed):
     assert members.member.nunique() >= 5
     assert (members.bound_ratio <= 1.0).all()
     assert (floor[floor.member == "ensemble-spread"].bound_ratio > 0).all()  # they do differ from each other
+
+
+@pytest.mark.slow
+def test_gradient_check_settles_the_kan_candidates(executed):
+    """06: the right KAN is roundoff, both planted bugs are defects naming their tensors, within budget."""
+    summary = pd.read_csv(executed["06-gradient-check"] / "summary.csv").set_index("candidate")
+    assert summary.verdict.to_dict() == {"kan": "roundoff", "kan-bug": "defect", "kan-bug-float32": "defect"}
+    assert "layer2.spline_weight" in summary.headline["kan-bug"]
+    assert "spline_weight" in summary.headline["kan-bug-float32"]
+    assert (summary.program_calls <= 60).all()
+    rates = pd.read_csv(executed["06-gradient-check"] / "pass_rates.csv")
+    right = rates[rates.candidate == "kan"].set_index("epsilon")
+    assert right.pass_rate[1e-5] < 0.5 < right.pass_rate.max()  # the pass rate measures ε, not the gradient
+    assert (right.predicted_pass_rate - right.pass_rate).abs().max() < 0.1  # and the measured noise predicts it

@@ -122,8 +122,13 @@ def load_command_candidate(path: str | Path) -> Candidate:
     """A Candidate (family "command") from a candidate YAML; every key is checked here."""
     path = Path(path).resolve()
     spec = _read_yaml(path)
-    if spec.get("model") == "opaque" or "start" in spec:
-        return _opaque(path, spec)
+    if spec.get("model") == "opaque":  # a network the lab has no model of: the reference-free gradient check
+        from .opaque import load_opaque_candidate
+
+        return load_opaque_candidate(path, spec)
+    if "start" in spec:
+        raise CommandCandidateError(f"{path}: key 'start' belongs to `model: opaque` (the reference-free gradient "
+                                    f"check); a candidate with a model spec is sent requests made by the lab")
     name = spec.get("name", path.stem)
     network = _network(path, spec)
     if not isinstance(name, str) or not name.strip():
@@ -156,18 +161,6 @@ def _network(path: Path, spec: dict):
         return load_model(model, base_dir=path.parent)
     except ModelSpecError as exc:
         raise CommandCandidateError(f"{path}: key 'model': {exc}") from None
-
-
-def _opaque(path: Path, spec: dict) -> Candidate:
-    """`model: opaque` with `start: DIR`: the reference-free gradient check (precision_lab.gradcheck)."""
-    if spec.get("model") != "opaque" or "start" not in spec:
-        raise CommandCandidateError(f"{path}: keys 'model: opaque' and 'start: DIR' go together (an opaque model "
-                                    f"is checked from its start bundle)")
-    try:
-        from .opaque import load_opaque_candidate
-    except ImportError:
-        raise CommandCandidateError(f"{path}: opaque models are not supported by this installation") from None
-    return load_opaque_candidate(path, spec)
 
 
 # ---------------------------------------------------------------------------------------------

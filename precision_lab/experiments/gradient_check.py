@@ -1,0 +1,202 @@
+"""06 — reference-free gradient check: why float32 finite differences "pass 92%", and what settles it.
+
+Two parts. The practice of a Rust/wgpu KAN audit and of a Mojo library: central differences
+(L(w + ε·eᵢ) − L(w − ε·eᵢ)) / 2ε per element, in float32, against the program's gradient with
+rtol 1e-3 / atol 1e-6, reported as a pass rate. On the built-in KAN (examples/opaque/kan.py, run
+in-process for the thousands of evaluations this takes) the pass rate is computed at every ε, with
+what the measured float32 noise predicts it to be, for a right build and a buggy one. Then the
+lab's check (precision_lab.gradcheck) on the command candidates of examples/opaque/, through the
+protocol, with its verdicts and cost.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .. import formats
+from ..candidates import resolve
+from ..candidates.opaque import OpaqueCandidate
+from ..gradcheck import Calls, FunctionOracle, measure_noise, tensor_scales
+from ..paths import ROOT
+from . import progress, summary_row
+
+EXPERIMENT = "06-gradient-check"
+EXAMPLE = ROOT / "examples" / "opaque"
+#: the practice being reproduced: ε = 1e-5, rtol 1e-3, atol 1e-6 (numpy.isclose's test)
+PRACTICE = {"epsilon": 1e-5, "rtol": 1e-3, "atol": 1e-6}
+
+
+def load_script(path: str | Path):
+    """A Python script (e.g. examples/opaque/kan.py) imported as a module, to call it in-process."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Kan:
+    """The example KAN in-process: its start arrays, parameters, and the loss/gradient function."""
+
+    def __init__(self, folder: str | Path = EXAMPLE):
+        folder = Path(folder)
+        self.module = load_script(folder / "kan.py")
+        with np.load(folder / "start" / "arrays.npz") as data:
+            self.arrays = {name: data[name] for name in data.files}
+        self.parameters = {name: self.arrays[name] for name in self.module.PARAMETERS}
+
+    def function(self, bug: str = "none", bug_in: str = "all"):
+        """fn(params, dtype) -> (loss, grads), the planted bug active in every build or in float32 only."""
+        def run(params, dtype):
+            arrays = {name: value.astype(dtype) for name, value in self.arrays.items()}
+            arrays.update({name: np.asarray(value, dtype) for name, value in params.items()})
+            active = bug if bug_in == "all" or np.dtype(dtype) == np.float32 else "none"
+            return self.module.loss_and_grads(arrays, active)
+
+        return run
+
+    def describe(self) -> pd.DataFrame:
+        return pd.DataFrame([{"parameter": name, "shape": str(value.shape), "elements": value.size,
+                              "rms": float(np.sqrt(np.mean(value.astype(np.float64) ** 2)))}
+                             for name, value in self.parameters.items()])
+
+
+def float32_noise(function, parameters: dict[str, np.ndarray], seed: int = 0) -> float:
+    """σ of the float32 loss, measured like the check does (7 points 64 ulps apart, straight-line fit)."""
+    oracle = FunctionOracle(function, name="noise", has_float64=False)
+    base = {k: v.astype(np.float64) for k, v in parameters.items()}
+    calls = Calls(oracle, 10, progress=False)
+    at_base = calls("claimed", base)
+    noise = measure_noise(calls, "claimed", "float32", base, at_base, tensor_scales(base), np.random.default_rng(seed))
+    return noise.loss_sigma
+
+
+def elementwise_practice(function, reference_function, parameters: dict[str, np.ndarray], epsilons,
+                         rtol: float = PRACTICE["rtol"], atol: float = PRACTICE["atol"]) -> pd.DataFrame:
+    """One row per (ε, element): the float32 central difference against the program's float32 gradient.
+
+    `reference_function` (the right program in float64) gives each element's true derivative, so
+    the table says which elements the program gets wrong (`wrong`), whatever the test says.
+    """
+    base32 = {k: v.astype(np.float32) for k, v in parameters.items()}
+    base64 = {k: v.astype(np.float64) for k, v in parameters.items()}
+    _, claimed = function(base32, np.float32)
+    _, truth = reference_function(base64, np.float64)
+    rows = []
+    elements = [(name, index) for name, value in base32.items() for index in np.ndindex(value.shape)]
+    for epsilon in progress(epsilons, desc="float32 central differences", unit="ε"):
+        for name, index in elements:
+            plus, minus = dict(base32), dict(base32)
+            plus[name], minus[name] = base32[name].copy(), base32[name].copy()
+            plus[name][index] = np.float32(base32[name][index] + epsilon)  # the practice: w + ε rounded to float32
+            minus[name][index] = np.float32(base32[name][index] - epsilon)
+            quotient = (float(function(plus, np.float32)[0]) - float(function(minus, np.float32)[0])) / (2 * epsilon)
+            # the same quotient in float64 (exact steps): its difference to the derivative is the truncation
+            plus64, minus64 = dict(base64), dict(base64)
+            plus64[name], minus64[name] = base64[name].copy(), base64[name].copy()
+            plus64[name][index] += epsilon
+            minus64[name][index] -= epsilon
+            quotient64 = (float(reference_function(plus64, np.float64)[0])
+                          - float(reference_function(minus64, np.float64)[0])) / (2 * epsilon)
+            g, true = float(claimed[name][index]), float(truth[name][index])
+            rows.append({"epsilon": epsilon, "tensor": name, "index": str(index), "gradient": g, "quotient": quotient,
+                         "quotient64": quotient64, "true": true, "passed": abs(quotient - g) <= atol + rtol * abs(g),
+                         "wrong": abs(g - true) > max(atol, 1e3 * formats.unit_roundoff("float32") * abs(true)),
+                         "actual_step": (float(plus[name][index]) - float(minus[name][index])) / 2})
+    return pd.DataFrame(rows)
+
+
+def predicted_pass(table: pd.DataFrame, noise: float, loss: float, rtol: float = PRACTICE["rtol"],
+                   atol: float = PRACTICE["atol"]) -> pd.Series:
+    """Pass probability of each row from the measured noise and the stored step, for a right gradient.
+
+    The quotient is (ΔL + e)/2ε: ΔL the exact change over the step actually taken (w ± ε rounded
+    to float32; the float64 quotient at the same ε carries the truncation), e the two loss
+    roundings, Gaussian with variance 2σ² but landing on the float32 grid of the loss (its ulp q):
+    the computed difference is a whole number of q's, exactly 0 when w ± ε round to one number.
+    """
+    from math import erf
+
+    q = float(np.spacing(np.float32(abs(loss))))
+    spread = math.sqrt(2.0) * noise
+    cdf = np.vectorize(lambda z: 0.5 * (1 + erf(z / math.sqrt(2))))
+    probabilities = []
+    for row in table.itertuples():
+        tolerance = atol + rtol * abs(row.gradient)
+        if row.actual_step == 0:
+            probabilities.append(float(abs(row.gradient) <= tolerance))
+            continue
+        change = row.quotient64 * 2 * row.actual_step
+        centre = round(change / q)
+        width = int(6 * spread / q) + 2
+        k = np.arange(centre - width, centre + width + 1)
+        mass = cdf(((k + 0.5) * q - change) / spread) - cdf(((k - 0.5) * q - change) / spread)
+        passes = np.abs(k * q / (2 * row.epsilon) - row.gradient) <= tolerance
+        probabilities.append(float(np.sum(mass[passes])))
+    return pd.Series(probabilities, index=table.index)
+
+
+def pass_rates(table: pd.DataFrame, noise: float, loss: float, rtol: float = PRACTICE["rtol"],
+               atol: float = PRACTICE["atol"]) -> pd.DataFrame:
+    """Per ε: the pass rate, what the noise predicts, and what it says about right and wrong elements."""
+    table = table.assign(predicted=predicted_pass(table, noise, loss, rtol, atol))
+    rows = []
+    for epsilon, group in table.groupby("epsilon", sort=False):
+        right, wrong = group[~group.wrong], group[group.wrong]
+        rows.append({"epsilon": epsilon, "pass_rate": group.passed.mean(),
+                     "predicted_pass_rate": group.predicted.mean(),
+                     "right_elements_failing": (~right.passed).mean() if len(right) else math.nan,
+                     "wrong_elements_passing": wrong.passed.mean() if len(wrong) else math.nan,
+                     "wrong_elements": len(wrong), "elements": len(group)})
+    return pd.DataFrame(rows)
+
+
+def v_curve(function, parameters: dict[str, np.ndarray], epsilons, noise32: float, seed: int = 0) -> tuple[pd.DataFrame, dict]:
+    """The error of the central difference along one random unit direction against ε, in float32 and
+    float64, with the truncation line ε²·|L'''|/6 and the rounding line (loss noise and step rounding)/ε."""
+    rng = np.random.default_rng(seed)
+    base = {k: v.astype(np.float64) for k, v in parameters.items()}
+    direction = {k: rng.standard_normal(v.shape) for k, v in base.items()}
+    norm = math.sqrt(sum(float(np.sum(d * d)) for d in direction.values()))
+    direction = {k: d / norm for k, d in direction.items()}
+    _, g64 = function(base, np.float64)
+    truth = sum(float(np.sum(g64[k] * direction[k])) for k in base)
+    delta = 1e-2  # L''' from the float64 gradients at ±δ: f(δ) − 2f(0) + f(−δ) = δ²·L''' + O(δ⁴)
+    slopes = [sum(float(np.sum(function({k: base[k] + s * delta * direction[k] for k in base}, np.float64)[1][k]
+                               * direction[k])) for k in base) for s in (1, 0, -1)]
+    third = abs(slopes[0] - 2 * slopes[1] + slopes[2]) / delta ** 2
+    ulps = math.sqrt(sum(float(np.sum((g64[k] * np.spacing(np.abs(base[k]).astype(np.float32))) ** 2)) for k in base))
+    rows = []
+    for epsilon in epsilons:
+        for precision, dtype in (("float32", np.float32), ("float64", np.float64)):
+            plus = {k: (base[k] + epsilon * direction[k]).astype(dtype) for k in base}
+            minus = {k: (base[k] - epsilon * direction[k]).astype(dtype) for k in base}
+            quotient = (float(function(plus, dtype)[0]) - float(function(minus, dtype)[0])) / (2 * epsilon)
+            rows.append({"epsilon": epsilon, "precision": precision, "quotient": quotient,
+                         "error": abs(quotient - truth), "relative_error": abs(quotient - truth) / abs(truth)})
+    lines = {"truth": truth, "third_derivative": third, "noise32": noise32,
+             "truncation": lambda e: third * e ** 2 / 6,
+             # loss rounding σ/(√2ε) and the float32 rounding of w ± εd (uniform, ulp²/12 per coordinate, two points)
+             "rounding": lambda e: math.sqrt(noise32 ** 2 / 2 + ulps ** 2 / 24) / e}
+    return pd.DataFrame(rows), lines
+
+
+def check_candidates(specs: list[str], seed: int = 0):
+    """Run the lab's check on each opaque candidate YAML: (table of tensors, summary rows, results)."""
+    frames, summary, results = [], [], {}
+    for spec in specs:
+        candidate = resolve(spec, base_dir=ROOT)
+        if not isinstance(candidate, OpaqueCandidate):
+            raise ValueError(f"{spec}: not an opaque candidate (its YAML needs model: opaque and start: DIR)")
+        result = candidate.check(seed=seed, progress=True)
+        results[candidate.name] = result
+        frames.append(result.to_frame())
+        summary.append(summary_row(candidate.name, EXPERIMENT, result.verdict,
+                                   f"{result.headline()} ({result.total_calls} program calls)",
+                                   program_calls=result.total_calls, float64_calls=result.calls["float64"],
+                                   wall_s=round(result.wall_s, 1)))
+    return pd.concat(frames, ignore_index=True), pd.DataFrame(summary), results

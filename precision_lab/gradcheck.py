@@ -1,0 +1,1205 @@
+"""Reference-free gradient check (DESIGN.md, "Reference-free gradient check").
+
+For networks the lab has no model of (splines, attention, custom kernels), the only reference is
+the program's own loss. The program is an *oracle*: given parameter values it answers the loss
+and the gradient of each listed parameter tensor, in its claimed build (float32, …) and,
+optionally, in a float64 build. The question: is the gradient it returns the derivative of the
+loss it returns?
+
+What the check spends its program calls on, in order:
+
+1. **Noise.** The loss and gradient at 7 points NOISE_ULPS units in the last place apart along a
+   random line through the parameters, in the build whose loss is differenced (float64 when
+   there is one). A straight-line fit leaves the rounding noise of the loss, σ_L (5 degrees of
+   freedom), and of each gradient element, σ_g: "repeat evaluations at nearby points".
+2. **Directional derivatives.** Per parameter tensor a random unit direction d, step
+   h = u^(1/3)·‖w‖ (the truncation/rounding trade-off of central differences, Nocedal & Wright,
+   *Numerical Optimization*, 2nd ed., 2006, §8.1), points w ± h·d. The central quotient's h²
+   term is measured with the gradients the program returns at ±h — Simpson's rule, which is the
+   Richardson (Romberg) step of the trapezoid rule — so the residual
+   R = L(+h) − L(−h) − h·(f₋ + 4f₀ + f₊)/3 (f = g·d) is O(h⁵) for a smooth loss and
+   −2h × (error of the claimed directional derivative) for a wrong gradient. Its standard error
+   follows from σ_L and σ_g, so each comparison reads "agrees within its uncertainty" or
+   "disagrees by k standard errors" (Student t with the noise fit's degrees of freedom).
+   **Kinks** (ReLU, max, clamps, spline knots): the two one-sided halves (trapezoids on [−h, 0]
+   and [0, h]) agree for a smooth loss; a kink inside one of them breaks that, and a residual
+   that does not shrink like a truncation error as h shrinks is not evidence either. The step is
+   then shrunk LEVEL_FACTOR× (to h/16 at most) and, failing that, the direction changed. A
+   disagreement counts only when it persists with the same size at two usable (kink-free) steps.
+   A whole-vector direction (all tensors at once) is checked the same way.
+3. **Claimed build against the float64 build** (when both exist): the float64 gradient, settled
+   by 2., is the reference. At 7 nearby points (the base and ±h along 3 random whole-vector
+   directions on the float32 grid) both builds answer; the difference is the claimed build's
+   rounding error plus any bug. Rounding changes from point to point (its spread is measured
+   there, and predicted from the float64 build's own noise × u_claimed/u64); a bug persists.
+4. **Localisation.** A direction that fails is restricted to halves of the tensor (rows, then
+   columns, … down to single elements) to name where the gradient is wrong; a float32-only
+   error is located element by element from 3. at no extra cost.
+
+Verdicts: ``roundoff`` (the gradient is the derivative of the loss, to a stated resolution),
+``defect`` (with the tensor and the directional evidence) and ``inconclusive`` (the noise or
+kinks leave the question open; the report says what would settle it). Never a pass rate.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from . import formats
+from .errors import LabInputError
+
+VERDICTS = ("roundoff", "defect", "inconclusive")
+
+#: central differences balance truncation h²|L'''|/6 against rounding u|L|/h at h ∝ u^(1/3)
+#: (Nocedal & Wright 2006, §8.1, eq. 8.7); the step is scaled to the tensor's norm
+STEP_EXPONENT = 1.0 / 3.0
+#: noise points move each element ~64 ulps: enough to re-randomise every rounding, while the
+#: loss's curvature over 3·64 ulps, (192u)² relative, stays far below one rounding error u
+NOISE_ULPS = 64
+NOISE_MULTIPLIERS = (-3, -2, -1, 1, 2, 3)
+#: whole-vector directions whose ±h points (with the base: 7) both builds answer
+COMPARISON_LINES = 3
+#: each refinement shrinks the step 4×: a kink at |t| > h/4 leaves the stencil, and a Simpson
+#: truncation error falls 4⁴ = 256× (a persisting residual cannot be truncation)
+LEVEL_FACTOR = 4
+MAX_LEVELS = 3
+MAX_DIRECTIONS = 2
+#: the halves' trapezoid residuals differ by more than this fraction of the larger: one half holds a
+#: kink the other does not (a wrong gradient or a truncation error changes little over one step)
+KINK_FRACTION = 0.5
+#: kinks inside a stencil (many of them, in float32 steps of ReLU networks) move the Simpson residual by
+#: up to the gradient's jumps: one jump J at t* gives J·(2/3 − t*/a)/2 ≤ J/3, while the gradients show
+#: |f₊ − 2f₀ + f₋|/2 = J/2 and the halves' difference |ρ₊ − ρ₋|/a ≤ J/2; their sum (× this factor) is
+#: added to the uncertainty. For a smooth loss it is O(a²) and vanishes beside a real error.
+NONSMOOTH_ALLOWANCE = 1.0
+#: a loss "does not respond" to the noise steps when its fitted slope is within this many standard
+#: errors of zero while its gradient predicts twice that (10: beyond t₅'s 1e-3 quantile, 6.9)
+ALPHA_CRITICAL_FLAT = 10.0
+#: two-sided false-alarm probability of one comparison (Student t with the noise fit's dof)
+ALPHA = 1e-4
+#: a disagreement persists when the residual at the smaller step is within this factor of the larger
+#: step's (a truncation error shrinks ≥ 16×, a bug stays)
+PERSIST_FACTOR = 2.0
+#: a claimed-build error that repeats at every nearby point is rounding only while it is below this
+#: many times the rounding spread measured there: errors that re-randomise and errors that do not
+#: (roundings of data-only computations) come from the same float arithmetic on the same terms, and
+#: grow as √(number of roundings); 30× would need ~900× more roundings in the frozen part
+PERSISTENCE_LIMIT = 30.0
+#: a tensor is settled when its check resolves the directional derivative to this relative
+#: accuracy: a wrong factor, sign, missing term or index moves it far more; float64 differences
+#: reach ~1e-10·√n, float32 ones ~1e-3 at best, which cannot settle anything
+SETTLE_RTOL = 1e-4
+#: default number of program calls: ≤ 60 for ≤ 10 tensors, 4 more per tensor beyond
+BUDGET_BASE, BUDGET_PER_TENSOR = 20, 4
+
+PROGRESS_ENV = "PRECISION_LAB_PROGRESS"
+
+
+class GradCheckError(LabInputError):
+    """A program's answer the check cannot use (shape, dtype, non-finite values): exit code 2."""
+
+
+def default_budget(n_tensors: int) -> int:
+    """Program calls a check may spend: 60 for up to 10 tensors, 4 per tensor beyond."""
+    return max(60, BUDGET_BASE + BUDGET_PER_TENSOR * n_tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# the oracle: a program that answers loss and gradients
+
+
+@dataclass
+class Evaluation:
+    """One answer of the program: the loss and each parameter's gradient (as float64 copies)."""
+
+    loss: float
+    grads: dict[str, np.ndarray]
+    wall_s: float = 0.0
+
+
+class Oracle(Protocol):
+    """What the check needs of a program: `evaluate("claimed" | "float64", params)`."""
+
+    name: str
+    claimed_precision: str
+    has_float64: bool
+
+    def evaluate(self, build: str, params: dict[str, np.ndarray]) -> Evaluation: ...
+
+
+def storage_dtype(build: str, claimed_precision: str) -> np.dtype:
+    """The dtype a build exchanges arrays in: float64 for the float64 build, else the claim's storage."""
+    return np.dtype("float64" if build == "float64" else formats.STORAGE_DTYPE[claimed_precision])
+
+
+def exact_cast(value: np.ndarray, dtype: np.dtype, name: str) -> np.ndarray:
+    """`value` in `dtype`, refusing any rounding (the check builds its points on the build's grid)."""
+    cast = np.asarray(value).astype(dtype)
+    if not np.array_equal(cast.astype(np.float64), np.asarray(value, np.float64)):
+        raise AssertionError(f"internal: point of {name!r} is not representable in {dtype}")
+    return cast
+
+
+def check_evaluation(where: str, evaluation: Evaluation, shapes: dict[str, tuple[int, ...]]) -> Evaluation:
+    """Refuse an answer the check cannot use: a missing gradient, a wrong shape, NaN/inf."""
+    if not math.isfinite(evaluation.loss):
+        raise GradCheckError(f"{where}: the loss is {evaluation.loss} (expected a finite number)")
+    for name, shape in shapes.items():
+        if name not in evaluation.grads:
+            raise GradCheckError(f"{where}: no gradient {name + '.grad'!r} (expected shape {shape})")
+        grad = np.asarray(evaluation.grads[name], np.float64)
+        if grad.shape != tuple(shape):
+            raise GradCheckError(f"{where}: {name + '.grad'!r} has shape {grad.shape}, expected {tuple(shape)} "
+                                 f"(the shape of parameter {name!r})")
+        if not np.all(np.isfinite(grad)):
+            raise GradCheckError(f"{where}: {name + '.grad'!r} holds {int(np.sum(~np.isfinite(grad)))} NaN or "
+                                 f"infinite values (expected finite numbers)")
+        evaluation.grads[name] = grad
+    return evaluation
+
+
+@dataclass
+class FunctionOracle:
+    """An in-process program: `function(params, dtype) -> (loss, {name: grad})`, params in `dtype`.
+
+    `float64_function` (default: `function` itself) is the float64 build; `has_float64=False`
+    leaves the claimed build alone.
+    """
+
+    function: Callable
+    name: str = "function"
+    claimed_precision: str = "float32"
+    has_float64: bool = True
+    float64_function: Callable | None = None
+
+    def evaluate(self, build: str, params: dict[str, np.ndarray]) -> Evaluation:
+        dtype = storage_dtype(build, self.claimed_precision)
+        function = (self.float64_function or self.function) if build == "float64" else self.function
+        start = time.perf_counter()
+        loss, grads = function({k: exact_cast(v, dtype, k) for k, v in params.items()}, dtype)
+        wall = time.perf_counter() - start
+        evaluation = Evaluation(float(loss), {k: np.array(v, np.float64) for k, v in grads.items()}, wall)
+        return check_evaluation(f"{self.name} ({build} build)", evaluation, {k: v.shape for k, v in params.items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics: Student t (the noise is measured with few degrees of freedom)
+
+
+def _beta_continued_fraction(a: float, b: float, x: float) -> float:
+    """Continued fraction of the incomplete beta function (Numerical Recipes, 3rd ed., §6.4, Lentz)."""
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    result = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            result *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return result
+
+
+def incomplete_beta(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b) (Numerical Recipes §6.4)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _beta_continued_fraction(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b
+
+
+def t_two_sided_p(k: float, dof: int) -> float:
+    """P(|T| > k) for Student's t with `dof` degrees of freedom (Abramowitz & Stegun 26.7.1)."""
+    return incomplete_beta(dof / 2.0, 0.5, dof / (dof + k * k))
+
+
+def t_critical(alpha: float, dof: int) -> float:
+    """The k with P(|T| > k) = alpha (bisection on a log scale)."""
+    low, high = 0.0, 1e8
+    for _ in range(200):
+        mid = math.sqrt(max(low, 1e-3) * high)
+        low, high = (mid, high) if t_two_sided_p(mid, dof) > alpha else (low, mid)
+        if high - low < 1e-9 * high:
+            break
+    return high
+
+
+# ---------------------------------------------------------------------------------------------
+# points on the build's grid
+
+
+def on_grid(base: np.ndarray, step: np.ndarray, storage: np.dtype, multipliers) -> np.ndarray:
+    """`step` rounded so that base + m·step is exact in `storage` for every multiplier m.
+
+    Elements where that fails (a step across a binade boundary, a step below one ulp) do not move.
+    """
+    storage = np.dtype(storage)
+    fractions = [abs(m) for m in multipliers if 0 < abs(m) < 1]
+    granularity = 2.0 ** math.ceil(math.log2(1.0 / min(fractions))) if fractions else 1.0
+    reach = np.abs(base) + max(abs(m) for m in multipliers) * np.abs(step)
+    spacing = np.spacing(reach.astype(storage)).astype(np.float64) * granularity
+    quantised = np.round(step / spacing) * spacing
+    for m in multipliers:
+        point = base + m * quantised
+        exact = (point.astype(storage).astype(np.float64) == point) & ((point - base) == m * quantised)
+        quantised = np.where(exact, quantised, 0.0)
+    return quantised
+
+
+def _point(base: dict[str, np.ndarray], displacement: dict[str, np.ndarray], multiplier: float) -> dict[str, np.ndarray]:
+    return {name: value + multiplier * displacement[name] if name in displacement else value
+            for name, value in base.items()}
+
+
+def _dot(grads: dict[str, np.ndarray], displacement: dict[str, np.ndarray]) -> float:
+    return float(sum(np.dot(grads[name].ravel(), step.ravel()) for name, step in displacement.items()))
+
+
+def tensor_scales(base: dict[str, np.ndarray]) -> dict[str, float]:
+    """‖w‖ per tensor; an all-zero tensor (a bias at initialisation) takes the parameters' RMS × √n."""
+    total = math.sqrt(sum(float(np.sum(v * v)) for v in base.values()))
+    count = sum(v.size for v in base.values())
+    scales = {}
+    for name, value in base.items():
+        norm = float(np.linalg.norm(value))
+        floor = total * math.sqrt(value.size / count) if total > 0 else math.sqrt(value.size)
+        scales[name] = norm if norm > 1e-3 * floor else floor
+    return scales
+
+
+def _unit(rng: np.random.Generator, shape) -> np.ndarray:
+    z = rng.standard_normal(shape)
+    norm = float(np.linalg.norm(z))
+    return z / norm if norm > 0 else z
+
+
+# ---------------------------------------------------------------------------------------------
+# calls
+
+
+class BudgetSpent(Exception):
+    """Raised inside the check when the next call would exceed the budget (caught there)."""
+
+
+class Calls:
+    """Counts and times the program calls; caches the answer at the base point."""
+
+    def __init__(self, oracle: Oracle, budget: int, progress: bool):
+        self.oracle, self.budget = oracle, budget
+        self.counts = {"claimed": 0, "float64": 0}
+        self.program_s = 0.0
+        self.bar = None
+        if progress and os.environ.get(PROGRESS_ENV) != "0":
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc=f"gradient check {oracle.name} (≤ {budget} calls)", unit="call", file=sys.stderr,
+                            dynamic_ncols=True, mininterval=0.5, leave=False, disable=None)  # None: off when not a terminal
+
+    @property
+    def used(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def left(self) -> int:
+        return self.budget - self.used
+
+    def __call__(self, build: str, params: dict[str, np.ndarray]) -> Evaluation:
+        if self.left <= 0:
+            raise BudgetSpent
+        evaluation = self.oracle.evaluate(build, params)
+        self.counts[build] += 1
+        self.program_s += evaluation.wall_s
+        if self.bar is not None:
+            self.bar.update(1)
+        return evaluation
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# noise
+
+
+@dataclass
+class Noise:
+    """Rounding noise of one build, measured by a straight-line fit through nearby points."""
+
+    build: str
+    precision: str
+    loss: float  # the loss at the base point
+    loss_sigma: float  # σ_L
+    dof: int
+    grad_sigma: dict[str, np.ndarray]  # σ_g per element
+    step_ulps: int = NOISE_ULPS
+    slope: float = math.nan  # the fitted loss change per unit step along the noise line
+    slope_sigma: float = math.nan
+    predicted_slope: float = math.nan  # what the gradient says it is
+
+    @property
+    def responsive(self) -> bool:
+        """False when the loss ignores steps of a few ulps that its gradient says are far beyond its noise:
+        the build rounds its parameters to a coarser format (a "float64" build that computes in float32)."""
+        flat = abs(self.slope) <= ALPHA_CRITICAL_FLAT * self.slope_sigma
+        return not (flat and abs(self.predicted_slope) > 2 * ALPHA_CRITICAL_FLAT * max(self.slope_sigma, 1e-300))
+
+    def direction_sigma(self, displacement: dict[str, np.ndarray]) -> float:
+        """Noise of g·Δ: √Σ Δᵢ²σ_gᵢ² (elements' roundings taken as independent)."""
+        return math.sqrt(sum(float(np.sum((step * self.grad_sigma[name]) ** 2)) for name, step in displacement.items()))
+
+    def summary(self) -> dict:
+        return {"build": self.build, "precision": self.precision, "loss": self.loss, "loss_sigma": self.loss_sigma,
+                "loss_sigma_in_u": self.loss_sigma / (formats.unit_roundoff(self.precision) * abs(self.loss))
+                if self.loss else math.nan, "dof": self.dof,
+                "grad_sigma_rms": {k: float(np.sqrt(np.mean(v ** 2))) for k, v in self.grad_sigma.items()}}
+
+
+def measure_noise(calls: Calls, build: str, precision: str, base: dict[str, np.ndarray], at_base: Evaluation,
+                  scales: dict[str, float], rng: np.random.Generator) -> Noise:
+    """σ_L and σ_g from 6 points around the base along one random line (linear fit, 5 dof)."""
+    storage = np.dtype("float64" if precision == "float64" else "float32")
+    relative = NOISE_ULPS * formats.unit_roundoff(precision)
+    displacement = {name: on_grid(value, relative * scales[name] * _unit(rng, value.shape), storage, NOISE_MULTIPLIERS)
+                    for name, value in base.items()}
+    evaluations = {0: at_base}
+    for m in NOISE_MULTIPLIERS:
+        evaluations[m] = calls(build, _point(base, displacement, m))
+    t = np.array(sorted(evaluations), dtype=np.float64)
+    design = np.stack([np.ones_like(t), t], axis=1)
+    projector = np.eye(len(t)) - design @ np.linalg.pinv(design)  # residual maker of a straight-line fit
+    dof = len(t) - 2
+    losses = np.array([evaluations[m].loss for m in sorted(evaluations)])
+    u = formats.unit_roundoff(precision)
+    # floor: a loss or gradient returned in a format was rounded to it at least once (≤ u·|value|), even
+    # when the program's arithmetic happens to be exact at these points (a polynomial loss, say)
+    loss_sigma = max(float(np.sqrt(np.sum((projector @ losses) ** 2) / dof)), u * float(np.max(np.abs(losses))))
+    slope = float((np.linalg.pinv(design) @ losses)[1])
+    slope_sigma = loss_sigma / math.sqrt(float(np.sum((t - t.mean()) ** 2)))
+    grad_sigma = {}
+    for name in base:
+        stacked = np.stack([evaluations[m].grads[name].ravel() for m in sorted(evaluations)])
+        fitted = np.sqrt(np.sum((projector @ stacked) ** 2, axis=0) / dof)
+        grad_sigma[name] = np.maximum(fitted, u * np.max(np.abs(stacked), axis=0)).reshape(base[name].shape)
+    return Noise(build, precision, at_base.loss, loss_sigma, dof, grad_sigma, slope=slope, slope_sigma=slope_sigma,
+                 predicted_slope=_dot(at_base.grads, displacement))
+
+
+# ---------------------------------------------------------------------------------------------
+# one direction: levels of steps
+
+
+@dataclass
+class Level:
+    """The stencil w ± a·Δ around the base, and what it says about g·Δ."""
+
+    multiplier: float  # a
+    step: float  # ‖a·Δ‖
+    claimed: float  # f₀ = g(w)·Δ, the claimed directional derivative (per unit multiplier)
+    error: float  # ê: the claimed derivative minus the loss's (Simpson/Richardson), per unit multiplier
+    error_sigma: float
+    central_error: float  # (L(+) − L(−))/2a − f₀: the plain central quotient's disagreement
+    central_sigma: float  # its rounding part, σ_L/(√2·a)
+    truncation: float  # the h² term of the central quotient measured from the gradients, (f₊ − 2f₀ + f₋)/6
+    kink: float  # ρ₊ − ρ₋: the one-sided trapezoid residuals' difference
+    kink_sigma: float
+    critical: float  # k of the t test
+    allowance: float = 0.0  # what kinks crossed by the stencil could add to the residual (see Checker)
+    status: str = ""  # agree | disagree | kinked
+
+    @property
+    def k(self) -> float:
+        """Standard errors by which the residual exceeds what kinks could explain (0 when it does not)."""
+        excess = max(abs(self.error) - self.allowance, 0.0)
+        return excess / self.error_sigma if self.error_sigma > 0 else (math.inf if excess else 0.0)
+
+    @property
+    def bound(self) -> float:
+        """The largest residual that is still agreement: k_crit standard errors plus the kink allowance."""
+        return self.critical * self.error_sigma + self.allowance
+
+    @property
+    def kink_k(self) -> float:
+        return abs(self.kink) / self.kink_sigma if self.kink_sigma > 0 else (math.inf if self.kink else 0.0)
+
+
+@dataclass
+class Direction:
+    """One random direction Δ (over one tensor, a region of it, or all tensors) and its levels."""
+
+    label: str
+    displacement: dict[str, np.ndarray]
+    build: str
+    claimed: float  # f₀
+    scale: float  # the typical size of g·Δ: max(|f₀|, ‖g_S‖·‖Δ‖/√n_S)
+    levels: list[Level] = field(default_factory=list)
+    outcome: str = "open"  # open | agree | disagree | undecided | budget
+    reason: str = ""
+    deciding: Level | None = None
+    richardson: float | None = None  # (16·C(h/4) − C(h))/15 − f₀ when two levels exist
+
+    @property
+    def relative_error(self) -> float:
+        return self.deciding.error / self.scale if self.deciding and self.scale > 0 else math.nan
+
+    @property
+    def resolution(self) -> float:
+        """The smallest relative error of g·Δ this direction could have seen (k_crit standard errors)."""
+        if self.deciding is None or self.scale <= 0:
+            return math.inf
+        return self.deciding.bound / self.scale
+
+    def norm(self) -> float:
+        return math.sqrt(sum(float(np.sum(v * v)) for v in self.displacement.values()))
+
+    def evidence(self) -> str:
+        """One line: what the loss says along this direction against what the gradient says."""
+        level = self.deciding or (self.levels[-1] if self.levels else None)
+        if level is None:
+            return f"{self.label}: not evaluated"
+        steps = _step_names(range(len(self.levels)))
+        norm = self.norm()
+        derivative = (self.claimed - level.error) / norm
+        words = {"agree": "agrees within its uncertainty", "disagree": f"disagrees by {level.k:.3g} standard errors",
+                 "undecided": "inconclusive", "budget": "budget spent",
+                 "open": "not followed up (a tensor explains the disagreement)"}[self.outcome]
+        text = (f"{self.label}: the loss changes at {derivative:.10g}, the gradient says {self.claimed / norm:.10g}"
+                f" (difference {level.error / norm:.3g} ± {level.error_sigma / norm:.2g}, relative "
+                f"{level.error / self.scale:.2g}; steps {steps}, h = {self.levels[0].step:.3g}): {words}")
+        return text + (f"; {self.reason}" if self.reason else "")
+
+    def summary(self) -> dict:
+        return {"label": self.label, "build": self.build, "outcome": self.outcome, "reason": self.reason,
+                "claimed": self.claimed, "from_loss": self.claimed - self.deciding.error if self.deciding else None,
+                "error": self.deciding.error if self.deciding else None,
+                "error_sigma": self.deciding.error_sigma if self.deciding else None,
+                "k": self.deciding.k if self.deciding else None, "relative_error": self.relative_error,
+                "resolution": self.resolution, "richardson_error": self.richardson,
+                "levels": [{"step": lv.step, "status": lv.status, "error": lv.error, "sigma": lv.error_sigma,
+                            "k": lv.k, "kink_k": lv.kink_k, "central_error": lv.central_error,
+                            "truncation": lv.truncation} for lv in self.levels]}
+
+
+class Checker:
+    """Runs directions through their levels on one build (float64 when there is one)."""
+
+    def __init__(self, calls: Calls, build: str, base: dict[str, np.ndarray], at_base: Evaluation, noise: Noise,
+                 loss_sigma: float):
+        self.calls, self.build, self.base, self.at_base, self.noise = calls, build, base, at_base, noise
+        self.loss_sigma = loss_sigma
+        self.critical = t_critical(ALPHA, noise.dof)
+        total = sum(v.size for v in base.values())
+        self.global_typical = math.sqrt(sum(float(np.sum(g * g)) for g in at_base.grads.values()) / max(total, 1))
+
+    def direction(self, label: str, displacement: dict[str, np.ndarray]) -> Direction:
+        claimed = _dot(self.at_base.grads, displacement)
+        support = sum(int(np.count_nonzero(v)) for v in displacement.values())
+        g_norm = math.sqrt(sum(float(np.sum((self.at_base.grads[k] * (v != 0)) ** 2)) for k, v in displacement.items()))
+        norm = math.sqrt(sum(float(np.sum(v * v)) for v in displacement.values()))
+        typical = g_norm * norm / math.sqrt(max(support, 1))
+        # a tensor whose gradient is (near) zero is judged against the model's typical gradient size
+        scale = max(abs(claimed), typical, self.global_typical * norm)
+        return Direction(label, displacement, self.build, claimed, scale if scale > 0 else 1e-300)
+
+    def evaluate_level(self, direction: Direction, multiplier: float,
+                       answers: tuple[Evaluation, Evaluation] | None = None) -> Level:
+        """The stencil ±multiplier·Δ (`answers`: the two evaluations when already in hand)."""
+        if answers is None:
+            plus = self.calls(self.build, _point(self.base, direction.displacement, multiplier))
+            minus = self.calls(self.build, _point(self.base, direction.displacement, -multiplier))
+        else:
+            plus, minus = answers
+        a = multiplier
+        l0, lp, lm = self.at_base.loss, plus.loss, minus.loss
+        f0 = direction.claimed
+        fp, fm = _dot(plus.grads, direction.displacement), _dot(minus.grads, direction.displacement)
+        sigma_l, sigma_f = self.loss_sigma, self.noise.direction_sigma(direction.displacement)
+        residual = (lp - lm) - a * (fm + 4.0 * f0 + fp) / 3.0  # Simpson: −2a·(claimed − true) + O(a⁵)
+        residual_sigma = math.sqrt(2.0 * sigma_l ** 2 + 2.0 * (a * sigma_f) ** 2)
+        rho_plus, rho_minus = (lp - l0) - a * (f0 + fp) / 2.0, (l0 - lm) - a * (fm + f0) / 2.0  # trapezoid residuals
+        kink = rho_plus - rho_minus
+        kink_sigma = math.sqrt(6.0 * sigma_l ** 2 + 0.5 * (a * sigma_f) ** 2)
+        level = Level(multiplier=a, step=a * direction.norm(), claimed=f0, error=-residual / (2.0 * a),
+                      error_sigma=residual_sigma / (2.0 * a), central_error=(lp - lm) / (2.0 * a) - f0,
+                      central_sigma=sigma_l / (math.sqrt(2.0) * a), truncation=(fp - 2.0 * f0 + fm) / 6.0,
+                      kink=kink, kink_sigma=kink_sigma, critical=self.critical,
+                      allowance=NONSMOOTH_ALLOWANCE * (abs(fp - 2.0 * f0 + fm) / 2.0 + abs(kink) / a))
+        # a kink puts its jump into one half only; a wrong gradient (or truncation) shows in both alike
+        one_sided = abs(kink) > KINK_FRACTION * max(abs(rho_plus), abs(rho_minus))
+        if level.kink_k > self.critical and one_sided:
+            level.status = "kinked"
+        elif abs(level.error) > level.bound:
+            level.status = "disagree"
+        else:
+            level.status = "agree"
+        return level
+
+    def advance(self, direction: Direction, answers: tuple[Evaluation, Evaluation] | None = None) -> None:
+        """Evaluate the next level of an open direction and decide if the levels allow."""
+        index = len(direction.levels)
+        try:
+            level = self.evaluate_level(direction, LEVEL_FACTOR ** -index, answers)
+        except BudgetSpent:
+            direction.outcome, direction.reason = "budget", "the call budget ran out before a usable step"
+            return
+        direction.levels.append(level)
+        if len(direction.levels) >= 2:
+            big, small = direction.levels[-2], direction.levels[-1]
+            r = LEVEL_FACTOR ** 2
+            direction.richardson = (r * small.central_error - big.central_error) / (r - 1)
+        _decide(direction)
+
+
+def _consistent(a: Level, b: Level) -> bool:
+    """The two steps' residuals differ by less than their combined uncertainty allows."""
+    return abs(a.error - b.error) <= a.critical * math.hypot(a.error_sigma, b.error_sigma) + a.allowance + b.allowance
+
+
+def _persistent(big: Level, small: Level) -> bool:
+    """Both steps disagree, with the same sign and about the same size (truncation would shrink ≥ 16×)."""
+    return (big.status == small.status == "disagree" and np.sign(big.error) == np.sign(small.error)
+            and 1.0 / PERSIST_FACTOR <= abs(small.error) / abs(big.error) <= PERSIST_FACTOR)
+
+
+def _step_names(indices) -> str:
+    return ", ".join(f"h/{LEVEL_FACTOR ** i}" if i else "h" for i in indices)
+
+
+def _decide(direction: Direction) -> None:
+    """Agree, disagree, or ask for a smaller step (kinks, truncation, an uninformative agreement)."""
+    levels = direction.levels
+    usable = [lv for lv in levels if lv.status != "kinked"]
+    kinked = [i for i, lv in enumerate(levels) if lv.status == "kinked"]
+    notes = []
+    if kinked:
+        notes.append(f"the one-sided quotients disagree at step {_step_names(kinked)} "
+                     f"(a kink inside the stencil: not evidence)")
+    current = usable[-1] if usable else None
+    earlier = [lv for lv in usable[:-1] if lv.status == "disagree"]
+    if current is not None and current.status == "agree":
+        if not earlier:
+            direction.outcome, direction.deciding = "agree", current
+        elif not _consistent(current, earlier[-1]):
+            direction.outcome, direction.deciding = "agree", current
+            notes.append(f"the residual at the larger step shrank {abs(earlier[-1].error / current.error) if current.error else math.inf:.3g}× "
+                         f"with the step: truncation, not a wrong gradient")
+        # else: too noisy to tell the larger step's disagreement from zero: a smaller step decides
+    elif current is not None and earlier and _persistent(earlier[-1], current):
+        direction.outcome, direction.deciding = "disagree", current
+        notes.append(f"the disagreement persists at {len([lv for lv in usable if lv.status == 'disagree'])} usable steps")
+    if direction.outcome == "open" and len(levels) >= MAX_LEVELS:
+        direction.outcome, direction.deciding = "undecided", current or levels[-1]
+        notes.append("no usable step settles it" if usable else "every step straddles a kink")
+    direction.reason = "; ".join(notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# localisation: halves of a failing direction
+
+
+@dataclass
+class Region:
+    """A set of parameter elements: per tensor, a box of index ranges."""
+
+    boxes: dict[str, tuple[tuple[int, int], ...]]
+
+    @classmethod
+    def whole(cls, names, shapes) -> "Region":
+        return cls({name: tuple((0, n) for n in shapes[name]) for name in names})
+
+    def restrict(self, displacement: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        restricted = {}
+        for name, box in self.boxes.items():
+            if name not in displacement:
+                continue
+            masked = np.zeros_like(displacement[name])
+            index = tuple(slice(a, b) for a, b in box)
+            masked[index] = displacement[name][index]
+            restricted[name] = masked
+        return restricted
+
+    def size(self) -> int:
+        return sum(math.prod(b - a for a, b in box) for box in self.boxes.values())
+
+    def describe(self, shapes: dict[str, tuple[int, ...]]) -> str:
+        parts = []
+        for name, box in self.boxes.items():
+            if all(b - a == n for (a, b), n in zip(box, shapes[name])):
+                parts.append(name if not box else f"{name} (whole tensor)")
+                continue
+            axes = [str(a) if b - a == 1 else (":" if b - a == n else f"{a}:{b}") for (a, b), n in zip(box, shapes[name])]
+            parts.append(f"{name}[{', '.join(axes)}]")
+        return " + ".join(parts)
+
+    def splits(self) -> list[tuple[str, "Region", "Region"]]:
+        """Ways to halve the region: by tensors first, then along each axis with more than one index."""
+        names = list(self.boxes)
+        if len(names) > 1:
+            half = len(names) // 2
+            return [("tensors", Region({n: self.boxes[n] for n in names[:half]}),
+                     Region({n: self.boxes[n] for n in names[half:]}))]
+        name, box = names[0], self.boxes[names[0]]
+        ways = []
+        for axis, (a, b) in enumerate(box):
+            if b - a > 1:
+                mid = (a + b) // 2
+                ways.append((f"axis {axis}", Region({name: box[:axis] + ((a, mid),) + box[axis + 1:]}),
+                             Region({name: box[:axis] + ((mid, b),) + box[axis + 1:]})))
+        return ways
+
+
+@dataclass
+class Located:
+    """Where a failing direction's error lies, with the directional evidence of the last split."""
+
+    region: str
+    error: float  # ê of the region (per unit multiplier of the parent direction)
+    sigma: float
+    note: str = ""
+    element_error: float | None = None  # a single element: how far its gradient is off
+    tensors: list[str] = field(default_factory=list)  # the tensors the region touches
+
+
+def localise(checker: Checker, parent: Direction, shapes: dict[str, tuple[int, ...]]) -> list[Located]:
+    """Halve the failing direction's support until the error is named (an element, row, column …)."""
+    level = parent.deciding
+    multiplier = level.multiplier
+    region = Region.whole(list(parent.displacement), shapes)
+    error, sigma = level.error, level.error_sigma
+    found: list[Located] = []
+    while True:
+        if region.size() == 1:
+            (name, box), = region.boxes.items()
+            index = tuple(a for a, _ in box)
+            step = parent.displacement[name][index]
+            claimed = float(checker.at_base.grads[name][index])
+            note, wrong_by = "a single element", None
+            if step != 0:
+                wrong_by = error / step
+                note += (f": its gradient {claimed:.8g} is off by {wrong_by:.3g} "
+                         f"({abs(wrong_by / claimed) if claimed else math.inf:.2g} relative; the loss says "
+                         f"{claimed - wrong_by:.8g})")
+            found.append(Located(region.describe(shapes), error, sigma, note, wrong_by, list(region.boxes)))
+            return found
+        moved = False
+        spread_axes = []
+        for way, first, second in region.splits():
+            try:
+                probe = checker.direction(f"{parent.label} restricted to {first.describe(shapes)}",
+                                          first.restrict(parent.displacement))
+                if not any(np.any(v) for v in probe.displacement.values()):
+                    region, moved = second, True  # the first half does not move along this direction
+                    break
+                measured = checker.evaluate_level(probe, multiplier)
+            except BudgetSpent:
+                found.append(Located(region.describe(shapes), error, sigma, "the call budget ran out here",
+                                     tensors=list(region.boxes)))
+                return found
+            if measured.status == "kinked":
+                continue  # a kink along this half: try the next way of splitting
+            e1, s1 = measured.error, measured.error_sigma
+            e2, s2 = error - e1, math.hypot(sigma, s1)
+            in_first = abs(e1) > measured.bound
+            in_second = abs(e2) > checker.critical * s2 + measured.allowance
+            if in_first and not in_second:
+                region, error, sigma, moved = first, e1, s1, True
+            elif in_second and not in_first:
+                region, error, sigma, moved = second, e2, s2, True
+            elif in_first and in_second:
+                spread_axes.append(way)
+                continue
+            else:
+                found.append(Located(region.describe(shapes), error, sigma, f"neither half of {way} carries the error alone",
+                                     tensors=list(region.boxes)))
+                return found
+            break
+        if not moved:
+            note = f"spread along {', '.join(spread_axes)}" if spread_axes else "cannot be split further"
+            found.append(Located(region.describe(shapes), error, sigma, note, tensors=list(region.boxes)))
+            return found
+
+
+# ---------------------------------------------------------------------------------------------
+# claimed build against the float64 build
+
+
+@dataclass
+class BuildComparison:
+    """The claimed build's gradient (or loss) minus the float64 build's at the same nearby points."""
+
+    quantity: str
+    points: int
+    max_abs_err: float  # at the base point
+    persistent: float  # max over elements of the error present at every point (same sign, smallest |·|)
+    bound_ratio: float  # max over elements of that error ÷ (PERSISTENCE_LIMIT × rounding scale)
+    spread_excess: float  # median over elements of the measured spread ÷ the float64-predicted one
+    flagged: int = 0
+    size: int = 1
+    worst: list[dict] = field(default_factory=list)
+    pattern: str = ""
+    directional: str = ""
+
+    def summary(self) -> dict:
+        return {k: getattr(self, k) for k in ("points", "max_abs_err", "persistent", "bound_ratio", "spread_excess",
+                                               "flagged", "size", "worst", "pattern", "directional")}
+
+
+def _format_index(index: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, index)) + "]" if index else ""
+
+
+def _pattern(name: str, indices: np.ndarray, shape: tuple[int, ...]) -> str:
+    """The flagged elements as one index pattern: an axis they share is named, others are ':'."""
+    if not len(indices):
+        return ""
+    axes = []
+    for axis in range(len(shape)):
+        values = np.unique(indices[:, axis])
+        axes.append(str(int(values[0])) if len(values) == 1 and shape[axis] > 1 else ":")
+    return f"{name}[{', '.join(axes)}]" if shape else name
+
+
+def compare_builds(name: str, claimed: np.ndarray, float64: np.ndarray, float64_sigma: np.ndarray,
+                   claimed_precision: str, direction: np.ndarray | None = None) -> BuildComparison:
+    """Judge the claimed build against the float64 build from answers at P nearby points.
+
+    `claimed` and `float64` are (P, *shape) (point 0 the base); `float64_sigma` is the float64
+    build's own rounding noise per element. The rounding scale of an element is the largest of:
+    the spread of its error across the points, the float64 noise × u_claimed/u64 (the same
+    arithmetic in the claimed format), one unit roundoff of its value and of the tensor's RMS
+    gradient (storage rounding). An error that repeats at every point beyond PERSISTENCE_LIMIT
+    times that scale is not rounding.
+    """
+    u = formats.unit_roundoff(claimed_precision)
+    ratio_u = u / formats.unit_roundoff("float64")
+    difference = claimed - float64
+    points = difference.shape[0]
+    # the error present at every point: the smallest |difference| where all points share its sign
+    same_sign = np.all(difference > 0, axis=0) | np.all(difference < 0, axis=0)
+    nearest = np.take_along_axis(difference, np.argmin(np.abs(difference), axis=0)[None], axis=0)[0]
+    persistent = np.where(same_sign, nearest, 0.0)
+    spread = difference.std(axis=0, ddof=1)
+    predicted = float64_sigma * ratio_u
+    value = np.abs(float64).mean(axis=0)
+    rms = float(np.sqrt(np.mean(float64[0] ** 2)))
+    scale = np.maximum.reduce([spread, predicted, u * value, np.full_like(value, u * rms)])
+    tiny = np.finfo(np.float64).tiny
+    ratio = np.abs(persistent) / (PERSISTENCE_LIMIT * np.maximum(scale, tiny))
+    measurable = predicted > 0
+    excess = float(np.median(spread[measurable] / predicted[measurable])) if measurable.any() else math.nan
+    flagged = np.argwhere(ratio > 1.0)
+    order = np.argsort(-ratio.ravel())[: min(5, ratio.size)]
+    worst = []
+    for flat in order:
+        index = np.unravel_index(flat, ratio.shape)
+        if ratio[index] <= 1.0 and worst:
+            break
+        worst.append({"index": [int(i) for i in index], "error": float(persistent[index]),
+                      "relative": float(abs(persistent[index]) / value[index]) if value[index] > 0 else math.inf,
+                      "bound_ratio": float(ratio[index]), "spread": float(spread[index])})
+    comparison = BuildComparison(
+        quantity=name, points=points, max_abs_err=float(np.max(np.abs(difference[0]))),
+        persistent=float(np.max(np.abs(persistent))), bound_ratio=float(np.max(ratio)), spread_excess=excess,
+        flagged=int(len(flagged)), size=int(persistent.size), worst=worst,
+        pattern=_pattern(name, flagged, persistent.shape) if len(flagged) else "")
+    if direction is not None and difference.ndim > 1:
+        projected = np.tensordot(difference, direction, axes=direction.ndim)
+        comparison.directional = (f"along a random unit direction of {name} the {claimed_precision} gradient minus the "
+                                  f"float64 one is {projected.mean():.3g} at every point (spread {projected.std(ddof=1):.2g} "
+                                  f"over {points} points)")
+    return comparison
+
+
+def excess_limit(claimed_precision: str) -> float:
+    """Spread ÷ predicted spread beyond which the arithmetic is coarser than claimed: the geometric
+    midpoint between 1 and the next coarser format's u ratio (2¹³ from float32 to tf32/fp16)."""
+    bits = formats.SIGNIFICAND_BITS[claimed_precision]
+    coarser = [p for p in formats.SIGNIFICAND_BITS.values() if p < bits]
+    return math.sqrt(2.0 ** (bits - max(coarser))) if coarser else math.inf
+
+
+def implied_format(claimed_precision: str, excess: float) -> str:
+    """The format whose unit roundoff the measured excess points to."""
+    u = formats.unit_roundoff(claimed_precision) * excess
+    name = min(formats.UNIT_ROUNDOFF, key=lambda f: abs(math.log(formats.UNIT_ROUNDOFF[f] / u)))
+    return f"u ≈ 2^{math.log2(u):.1f} ({name})"
+
+
+# ---------------------------------------------------------------------------------------------
+# the verdict
+
+
+@dataclass
+class TensorVerdict:
+    """One parameter tensor: verdict, the numbers the diagnose JSON needs, and the evidence."""
+
+    name: str
+    shape: tuple[int, ...]
+    verdict: str = "inconclusive"
+    max_abs_err: float = math.nan
+    bound_ratio: float = math.nan
+    evidence: list[str] = field(default_factory=list)
+    directions: list[Direction] = field(default_factory=list)
+    comparison: BuildComparison | None = None
+    located: list[Located] = field(default_factory=list)
+    settle: str = ""
+
+    def summary(self) -> dict:
+        deciding = next((d for d in reversed(self.directions) if d.deciding), None)
+        return {"verdict": self.verdict, "max_abs_err": self.max_abs_err, "bound_ratio": self.bound_ratio,
+                "layout_fix": None, "shape": list(self.shape),
+                "directional_error": deciding.relative_error if deciding else None,
+                "resolution": deciding.resolution if deciding else None,
+                "evidence": list(self.evidence), "located": [vars(x) for x in self.located],
+                "what_would_settle_it": self.settle or None,
+                "directions": [d.summary() for d in self.directions],
+                "build_comparison": self.comparison.summary() if self.comparison else None}
+
+
+@dataclass
+class GradCheck:
+    """The result of a reference-free gradient check."""
+
+    candidate: str
+    claimed_precision: str
+    has_float64: bool
+    verdict: str
+    tensors: dict[str, TensorVerdict]
+    whole: list[Direction]
+    loss: BuildComparison | None
+    noise: dict[str, Noise]
+    calls: dict[str, int]
+    budget: int
+    wall_s: float
+    program_s: float
+    seed: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    def headline(self) -> str:
+        bad = [t for t in self.tensors.values() if t.verdict == self.verdict and self.verdict != "roundoff"]
+        if self.verdict == "defect":
+            names = ", ".join(t.name for t in bad) or "the whole gradient"
+            return f"defect in {names}"
+        if self.verdict == "inconclusive":
+            return f"inconclusive for {', '.join(t.name for t in bad)}: {bad[0].settle}" if bad else "inconclusive"
+        resolution = max((d.resolution for t in self.tensors.values() for d in t.directions if d.deciding),
+                         default=math.nan)
+        return f"roundoff: every gradient is the derivative of the loss (to {resolution:.2g} relative or better)"
+
+    def cost(self) -> str:
+        parts = [f"{n} {build}" for build, n in self.calls.items() if n]
+        return (f"{self.total_calls} program calls ({', '.join(parts)}; budget {self.budget}), "
+                f"wall time {self.wall_s:.1f} s ({self.program_s:.1f} s inside the program)")
+
+    def to_text(self) -> str:
+        lines = [f"candidate {self.candidate}  (opaque; claimed {self.claimed_precision}; "
+                 f"float64 build: {'yes' if self.has_float64 else 'no'})",
+                 f"verdict: {self.headline()}"]
+        for tensor in self.tensors.values():
+            lines.append(f"  {tensor.name:<24} {tensor.verdict:<13} max|err| {tensor.max_abs_err:9.3g}  "
+                         f"err/bound {tensor.bound_ratio:9.3g}")
+            lines += [f"      {text}" for text in tensor.evidence]
+        for direction in self.whole:
+            lines.append(f"  whole gradient: {direction.evidence()}")
+        if self.loss is not None:
+            lines.append(f"  loss: {self.claimed_precision} − float64 build: {self.loss.max_abs_err:.3g} at the base point, "
+                         f"repeating part {self.loss.persistent:.3g} (err/bound {self.loss.bound_ratio:.3g})")
+        for build, noise in self.noise.items():
+            info = noise.summary()
+            lines.append(f"  noise ({build} build, {noise.precision}): σ_loss = {noise.loss_sigma:.3g} "
+                         f"= {info['loss_sigma_in_u']:.3g}·u·|loss| (measured, {noise.dof} dof)")
+        lines += [f"  - {note}" for note in self.notes]
+        lines.append(f"cost: {self.cost()}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return _json_safe({
+            "candidate": self.candidate, "kind": "opaque", "verdict": self.verdict,
+            "claimed_precision": self.claimed_precision, "has_float64": self.has_float64,
+            "headline": self.headline(),
+            "parameters": {name: t.summary() for name, t in self.tensors.items()},
+            "whole_gradient": [d.summary() for d in self.whole],
+            "forward": {"loss": self.loss.summary() if self.loss else None},
+            "noise": {build: n.summary() for build, n in self.noise.items()},
+            "cost": {"calls": self.total_calls, "calls_by_build": dict(self.calls), "budget": self.budget,
+                     "wall_s": self.wall_s, "program_s": self.program_s},
+            "seed": self.seed, "notes": list(self.notes)})
+
+    def to_frame(self):
+        import pandas as pd
+
+        rows = []
+        for tensor in self.tensors.values():
+            summary = tensor.summary()
+            rows.append({"candidate": self.candidate, "tensor": tensor.name, "verdict": tensor.verdict,
+                         "max_abs_err": tensor.max_abs_err, "bound_ratio": tensor.bound_ratio,
+                         "directional_error": summary["directional_error"], "resolution": summary["resolution"],
+                         "located": "; ".join(x.region for x in tensor.located),
+                         "evidence": " | ".join(tensor.evidence)})
+        return pd.DataFrame(rows)
+
+
+def _json_safe(value):
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, np.ndarray):
+        return _json_safe(value.tolist())
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# the check
+
+
+def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, max_calls: int | None = None,
+                    progress: bool = False) -> GradCheck:
+    """Is `oracle`'s gradient the derivative of its loss at `base`? See the module docstring.
+
+    `base` holds the parameters (float64 arrays of values the claimed build can represent).
+    """
+    started = time.perf_counter()
+    base = {name: np.asarray(value, np.float64) for name, value in base.items()}
+    shapes = {name: value.shape for name, value in base.items()}
+    budget = max_calls if max_calls is not None else default_budget(len(base))
+    rng = np.random.default_rng(seed)
+    claimed = oracle.claimed_precision
+    has_float64 = bool(oracle.has_float64) and claimed != "float64"
+    fd_build = "float64" if has_float64 else "claimed"
+    fd_precision = "float64" if has_float64 else claimed
+    fd_storage = np.dtype("float64" if fd_precision == "float64" else "float32")
+    claimed_storage = storage_dtype("claimed", claimed)
+    minimum = 1 + len(NOISE_MULTIPLIERS) + 2 * len(base) + (2 * COMPARISON_LINES + 1 + 2 * COMPARISON_LINES
+                                                              if has_float64 else 2)
+    if budget < minimum:
+        raise LabInputError(f"a call budget of {budget} is below the {minimum} calls a check of {len(base)} "
+                            f"tensors needs (raise --max-calls)")
+    calls = Calls(oracle, budget, progress)
+    notes: list[str] = []
+    try:
+        at_base = calls(fd_build, base)
+        scales = tensor_scales(base)
+        noise = {fd_build: measure_noise(calls, fd_build, fd_precision, base, at_base, scales, rng)}
+        if not noise[fd_build].responsive:
+            return _unresponsive(oracle, noise, fd_build, fd_precision, shapes, calls, budget, started, seed)
+        step = formats.unit_roundoff(fd_precision) ** STEP_EXPONENT
+        multipliers = [s * LEVEL_FACTOR ** -i for i in range(MAX_LEVELS) for s in (1, -1)]
+
+        # the whole-vector directions: on the claimed build's grid when both builds answer there
+        whole_grid = claimed_storage if has_float64 else fd_storage
+        whole_multipliers = (1, -1) if has_float64 else multipliers
+        whole_steps = [{name: on_grid(value, step * scales[name] * _unit(rng, value.shape), whole_grid, whole_multipliers)
+                        for name, value in base.items()} for _ in range(COMPARISON_LINES if has_float64 else 1)]
+        tensor_steps = {name: {name: on_grid(value, step * scales[name] * _unit(rng, value.shape), fd_storage, multipliers)}
+                        for name, value in base.items()}
+
+        # the claimed build at the same points: its noise and its errors against float64
+        compared = None
+        if has_float64:
+            points = [base] + [_point(base, s, m) for s in whole_steps for m in (1, -1)]
+            claimed_answers = [calls("claimed", p) for p in points]
+            float64_answers = [at_base]
+            checker_points = {}
+            for s_index, s in enumerate(whole_steps):
+                for m in (1, -1):
+                    answer = calls("float64", _point(base, s, m))
+                    float64_answers.append(answer)
+                    checker_points[(s_index, m)] = answer
+            compared = (claimed_answers, float64_answers)
+            claimed_losses = np.array([a.loss for a in claimed_answers]) - np.array([a.loss for a in float64_answers])
+            spread = float(np.std(claimed_losses, ddof=1))
+            noise["claimed"] = Noise("claimed", claimed, claimed_answers[0].loss, spread, len(points) - 1, {})
+        # the loss noise the differences use: measured on their build; with a claimed build beside
+        # it, never below that build's measured noise scaled by u64/u_claimed (the same arithmetic)
+        loss_sigma = noise[fd_build].loss_sigma
+        if has_float64:
+            scaled = noise["claimed"].loss_sigma * formats.unit_roundoff("float64") / formats.unit_roundoff(claimed)
+            loss_sigma = max(loss_sigma, scaled)
+        checker = Checker(calls, fd_build, base, at_base, noise[fd_build], loss_sigma)
+
+        # directions: level 0 for every one first (the mandatory calls), then refinements
+        tensor_directions = {name: [checker.direction(f"{name} along a random unit direction", tensor_steps[name])]
+                             for name in base}
+        whole = [checker.direction(f"all tensors along random direction {i + 1}", s) for i, s in enumerate(whole_steps)]
+        if has_float64:  # their level-0 points were evaluated above: reuse them
+            for i, direction in enumerate(whole):
+                checker.advance(direction, (checker_points[(i, 1)], checker_points[(i, -1)]))
+        for name in base:
+            checker.advance(tensor_directions[name][0])
+        if not has_float64:
+            for direction in whole:
+                checker.advance(direction)
+        _refine(checker, tensor_directions, whole, base, scales, step, fd_storage, multipliers, rng)
+
+        tensors = {name: TensorVerdict(name, shapes[name], directions=tensor_directions[name]) for name in base}
+        loss_comparison = None
+        if compared is not None:
+            claimed_answers, float64_answers = compared
+            loss_comparison = compare_builds("loss", np.array([a.loss for a in claimed_answers]),
+                                             np.array([a.loss for a in float64_answers]),
+                                             np.array(noise["float64"].loss_sigma), claimed)
+            for name in base:
+                tensors[name].comparison = compare_builds(
+                    name, np.stack([a.grads[name] for a in claimed_answers]),
+                    np.stack([a.grads[name] for a in float64_answers]), noise["float64"].grad_sigma[name], claimed,
+                    direction=tensor_steps[name][name] / max(np.linalg.norm(tensor_steps[name][name]), 1e-300))
+        for tensor in tensors.values():
+            _judge_tensor(tensor, claimed, has_float64)
+        # a failing whole-vector direction no tensor explains: find the tensor by halving it
+        whole_failing = [d for d in whole if d.outcome == "disagree"]
+        if whole_failing and not any(t.verdict == "defect" for t in tensors.values()):
+            located = localise(checker, whole_failing[0], shapes)
+            for found in located:
+                for n in found.tensors:
+                    tensors[n].verdict = "defect"
+                    tensors[n].evidence.append(f"found by halving a failing whole-vector direction: {found.region} "
+                                               f"({found.note})")
+            notes.append("a whole-vector direction disagrees: " + whole_failing[0].evidence())
+        # locate each defect the finite differences found
+        for tensor in tensors.values():
+            failing = [d for d in tensor.directions if d.outcome == "disagree"]
+            if failing and calls.left >= 2:
+                tensor.located = localise(checker, failing[-1], shapes)
+                tensor.evidence += [f"located: {x.region} ({x.note})" for x in tensor.located]
+                singles = [abs(x.element_error) for x in tensor.located if x.element_error is not None]
+                tensor.max_abs_err = max([tensor.max_abs_err, *singles])
+        if loss_comparison is not None and loss_comparison.bound_ratio > 1:
+            notes.append(f"the {claimed} build's loss differs from the float64 build's by {loss_comparison.persistent:.3g} "
+                         f"at every point ({loss_comparison.bound_ratio:.3g}× the rounding bound): the builds compute "
+                         f"different losses")
+        if has_float64:
+            measured = noise["float64"].loss_sigma
+            expected = noise["claimed"].loss_sigma * formats.unit_roundoff("float64") / formats.unit_roundoff(claimed)
+            if expected > 0 and measured > excess_limit("float64" if claimed == "float64" else claimed) * expected:
+                notes.append(f"the float64 build's loss noise ({measured:.3g}) is {measured / expected:.3g}× the "
+                             f"{claimed} build's scaled by u64/u_{claimed}: does it really compute in float64?")
+    finally:
+        calls.close()
+    verdicts = [t.verdict for t in tensors.values()]
+    if loss_comparison is not None and loss_comparison.bound_ratio > 1:
+        verdicts.append("defect")
+    verdict = "defect" if "defect" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "roundoff")
+    return GradCheck(oracle.name, claimed, has_float64, verdict, tensors, whole, loss_comparison, noise,
+                     dict(calls.counts), budget, time.perf_counter() - started, calls.program_s, seed, notes)
+
+
+def _unresponsive(oracle, noise, build, precision, shapes, calls, budget, started, seed) -> GradCheck:
+    """The differenced build ignores small steps of its parameters: nothing can be judged with it."""
+    measured = noise[build]
+    words = (f"the {build} build's loss does not change along steps of {NOISE_ULPS} {precision} ulps (fitted slope "
+             f"{measured.slope:.3g} ± {measured.slope_sigma:.2g}) although its gradient says {measured.predicted_slope:.3g}: "
+             f"it rounds its parameters to a coarser format than {precision}")
+    settle = ("make command_float64 compute in float64 throughout (or drop it)" if build == "float64"
+              else f"make the program compute in {precision} as claimed")
+    tensors = {name: TensorVerdict(name, shape, "inconclusive", math.nan, math.nan, [words], settle=settle)
+               for name, shape in shapes.items()}
+    calls.close()
+    return GradCheck(oracle.name, oracle.claimed_precision, bool(oracle.has_float64), "inconclusive", tensors, [], None,
+                     noise, dict(calls.counts), budget, time.perf_counter() - started, calls.program_s, seed, [words])
+
+
+def _refine(checker: Checker, tensor_directions: dict[str, list[Direction]], whole: list[Direction],
+            base, scales, step, storage, multipliers, rng) -> None:
+    """While calls last: smaller steps for open tensor directions, new directions for undecided ones;
+    then, if no tensor disagrees, the whole-vector directions (a tensor that disagrees explains them)."""
+    while checker.calls.left >= 2:
+        open_ones = [ds[-1] for ds in tensor_directions.values() if ds[-1].outcome == "open"]
+        retry = [name for name, ds in tensor_directions.items()
+                 if ds[-1].outcome == "undecided" and len(ds) < MAX_DIRECTIONS]
+        if not open_ones and retry:
+            for name in retry:
+                displacement = {name: on_grid(base[name], step * scales[name] * _unit(rng, base[name].shape), storage,
+                                              multipliers)}
+                direction = checker.direction(f"{name} along a second random unit direction", displacement)
+                tensor_directions[name].append(direction)
+                open_ones.append(direction)
+        if not open_ones and not any(ds[-1].outcome == "disagree" for ds in tensor_directions.values()):
+            open_ones = [d for d in whole if d.outcome == "open"]
+        if not open_ones:
+            return
+        for direction in open_ones:
+            if checker.calls.left < 2:
+                return
+            checker.advance(direction)
+
+
+def _judge_tensor(tensor: TensorVerdict, claimed: str, has_float64: bool) -> None:
+    """Combine the finite-difference directions and the build comparison into the tensor's verdict."""
+    build = "float64" if has_float64 else claimed
+    decided = [d for d in tensor.directions if d.outcome in ("agree", "disagree")]
+    final = decided[-1] if decided else tensor.directions[-1]
+    tensor.evidence += [d.evidence() for d in tensor.directions]
+    level = final.deciding
+    # the gradient's error along the tested unit direction: a lower bound on the error vector's norm
+    fd_abs = abs(level.error) / final.norm() if level is not None and final.norm() > 0 else math.nan
+    fd_ratio = abs(level.error) / level.bound if level is not None and level.bound > 0 else math.nan
+    if final.outcome == "disagree":
+        fd_verdict = "defect"
+    elif final.outcome == "agree" and final.resolution <= SETTLE_RTOL:
+        fd_verdict = "roundoff"
+    else:
+        fd_verdict = "inconclusive"
+        if final.outcome == "agree":
+            tensor.settle = (f"the {build} differences resolve g·d only to {final.resolution:.2g} relative "
+                             f"(settled needs {SETTLE_RTOL:g}): "
+                             + ("give the candidate a command_float64 (the same program in double precision)"
+                                if not has_float64 else "a loss with less rounding noise, or more calls (--max-calls)"))
+        else:
+            tensor.settle = (f"{final.reason or final.outcome}: more calls (--max-calls) for more directions, or a "
+                             f"float64 build")
+    tensor.verdict, tensor.max_abs_err, tensor.bound_ratio = fd_verdict, fd_abs, fd_ratio
+    comparison = tensor.comparison
+    if comparison is None:
+        return
+    tensor.max_abs_err = max(comparison.max_abs_err, fd_abs if fd_verdict == "defect" else 0.0)
+    tensor.bound_ratio = max(comparison.bound_ratio, fd_ratio if math.isfinite(fd_ratio) else 0.0)
+    limit = excess_limit(claimed)
+    if comparison.bound_ratio > 1:
+        worst = comparison.worst[0]
+        tensor.verdict = "defect"
+        tensor.evidence.append(
+            f"the {claimed} build's gradient differs from the float64 build's at every one of {comparison.points} nearby "
+            f"points: {comparison.flagged} of {comparison.size} elements beyond {PERSISTENCE_LIMIT:g}× their rounding "
+            f"spread, worst {tensor.name}{_format_index(tuple(worst['index']))} by {worst['error']:.3g} "
+            f"({worst['relative']:.2g} relative, {worst['bound_ratio'] * PERSISTENCE_LIMIT:.3g}× its spread)"
+            + (f"; pattern {comparison.pattern}" if comparison.pattern else "")
+            + (f"; {comparison.directional}" if comparison.directional else ""))
+        tensor.located = tensor.located or [Located(comparison.pattern or tensor.name, worst["error"], worst["spread"],
+                                                    f"{comparison.flagged} element(s), {claimed} build only",
+                                                    tensors=[tensor.name])]
+    elif math.isfinite(comparison.spread_excess) and comparison.spread_excess > limit:
+        tensor.verdict = "defect"
+        tensor.evidence.append(
+            f"the {claimed} build's rounding spread is {comparison.spread_excess:.3g}× what {claimed} arithmetic gives "
+            f"(the float64 build's noise × u_{claimed}/u64; limit {limit:.3g}): it computes with "
+            f"{implied_format(claimed, comparison.spread_excess)}, coarser than claimed")
+    else:
+        tensor.evidence.append(
+            f"{claimed} build against float64 build at {comparison.points} nearby points: max|err| "
+            f"{comparison.max_abs_err:.3g}, repeating part {comparison.persistent:.3g} ({comparison.bound_ratio:.3g} of "
+            f"the bound {PERSISTENCE_LIMIT:g}× its rounding spread), spread {comparison.spread_excess:.3g}× the "
+            f"float64-predicted: rounding")
