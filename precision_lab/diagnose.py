@@ -3,7 +3,7 @@
     precision-lab diagnose --candidate builtin:NAME | NAME | FILE.yaml
     precision-lab diagnose --bundle DIR            (a static bundle carries its own problem)
         [--size N|HxW] [--batch B] [--seed K] [--model SPEC] [--device D] [--probes none|default|LIST]
-        [--repeats K] [--json OUT]
+        [--repeats K] [--json OUT] [--html OUT]
 
 Prints the verdict with its evidence; exit 0 for ``roundoff`` (of the problem and every probe),
 1 for any other verdict, 2 for bad input or a failing candidate (one line on stderr, from the CLI).
@@ -53,6 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="OUT", help="write the verdict as JSON to this file")
     parser.add_argument("--max-calls", type=int, default=None, metavar="N",
                         help="opaque candidates: program calls the gradient check may make (default max(60, 20 + 4·tensors))")
+    parser.add_argument("--html", metavar="OUT", help="write the verdict as a self-contained HTML page to this file")
 
 
 @dataclass
@@ -284,4 +285,9 @@ def main(args: argparse.Namespace) -> int:
             out.write_text(json.dumps(diagnosis.to_json(), indent=1) + "\n")
         except OSError as exc:
             raise LabInputError(f"{out}: cannot write the JSON verdict ({exc.strerror})") from None
+    if args.html:
+        from .device import describe_device
+        from .present import write_diagnosis_page
+
+        write_diagnosis_page(args.html, diagnosis.main, problem, describe_device(resolve_device(args.device)))
     return 0 if diagnosis.verdict == "roundoff" else 1

@@ -413,15 +413,26 @@ def render_report(executed: Path, html_path: Path, outcome: NotebookOutcome, sho
                             exclude_output_prompt=not show_code, embed_images=True, sanitize_html=True)
     exporter.register_filter("clean_html", sanitize_html)
     notebook = nbformat.read(executed, as_version=4)
+    if not show_code:
+        _drop_stderr(notebook)
     body, _ = exporter.from_notebook_node(notebook, resources={"metadata": {"name": outcome.name}})
     html_path.write_text(body, encoding="utf-8")
     return html_path
 
 
+def _drop_stderr(notebook) -> None:
+    """Remove what cells wrote to stderr (library logs such as the profiler's, warnings): a reader of the
+    report needs the results; the executed notebook beside it keeps everything."""
+    for cell in notebook.cells:
+        if cell.get("cell_type") == "code":
+            cell.outputs = [o for o in cell.get("outputs", [])
+                            if not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
+
+
 #: what a notebook's HTML may keep: text structure, tables (pandas), inline images; never scripts,
 #: event handlers, forms, iframes or styles (CSS can fetch from the network)
 SAFE_TAGS = ("a", "abbr", "b", "blockquote", "br", "caption", "code", "dd", "details", "div", "dl", "dt", "em",
-             "h1", "h2", "h3", "h4", "h5", "h6", "hr", "i", "img", "kbd", "li", "ol", "p", "pre", "s", "samp",
+             "figcaption", "figure", "h1", "h2", "h3", "h4", "h5", "h6", "hr", "i", "img", "kbd", "li", "ol", "p", "pre", "s", "samp",
              "small", "span", "strong", "sub", "summary", "sup", "table", "tbody", "td", "tfoot", "th", "thead",
              "tr", "u", "ul", "var")
 SAFE_ATTRIBUTES = {"*": ["class", "id", "title"], "a": ["href", "title", "class", "id"],
@@ -452,23 +463,70 @@ def _environment():
 
 def write_index(report_tmp: Path, data_tmp: Path, plan: RunPlan, provenance: dict,
                 outcomes: list[NotebookOutcome]) -> Path:
-    """The index page: verdict matrix, links, headline figures, provenance (all text escaped)."""
-    from .results import load_summaries
+    """The index page: the run in words, verdict matrix, links, headline figures, provenance (all text escaped)."""
+    from .conclusions import run_summary
+    from .results import load_conclusions, load_summaries
+    from .tables import VERDICT_MEANINGS
 
     tables_rel = Path(os.path.relpath(plan.runs_dir / plan.run_id, plan.reports_dir / plan.run_id))
     notebooks = [_notebook_row(o, data_tmp, tables_rel) for o in outcomes]
     summaries = load_summaries(data_tmp)
+    matrix = verdict_matrix(summaries, notebooks, data_tmp)
     page = _environment().get_template("index.html.j2").render(
         run_id=plan.run_id, provenance=provenance, notebooks=notebooks,
         failed=[nb for nb in notebooks if not nb["ok"]],
-        matrix=verdict_matrix(summaries, notebooks, data_tmp),
+        matrix=matrix, summary=run_summary(load_conclusions(data_tmp), summaries),
+        context=context_rows(plan, provenance),
+        legend=[(v, meaning) for v, meaning in VERDICT_MEANINGS.items()
+                if any(e["verdict"] == v for cell in matrix["cells"].values() for e in cell)],
         parameters=_parameter_rows(plan, provenance),
+        device_rows=_device_rows(provenance),
         duration=f"{provenance.get('seconds', 0):.0f} s",
         git_commit_short=(provenance["git"].get("commit") or "unknown")[:12],
         command_line=shlex.join(provenance["command_line"]))
     path = report_tmp / "index.html"
     path.write_text(page, encoding="utf-8")
     return path
+
+
+def _value_used(plan: RunPlan, name: str):
+    """A parameter's value in this run: given, else the first declaring notebook's default (None if undeclared)."""
+    if name in plan.values:
+        return plan.values[name]
+    return next((declared[name].default for declared in plan.declared.values() if name in declared), None)
+
+
+def context_rows(plan: RunPlan, provenance: dict) -> list[tuple[str, str]]:
+    """Where and on what the run ran, in words: device, torch, cuDNN, sizes, batch, seed, image source."""
+    from .tables import describe_device_in_words, image_source_in_words
+
+    device = provenance.get("device", {})
+    rows = [("device", describe_device_in_words(device)), ("torch", str(provenance.get("versions", {}).get("torch")))]
+    cudnn = provenance.get("backend_flags", {}).get("cudnn_version")
+    rows.append(("cuDNN", str(cudnn) if str(device.get("device", "")).startswith("cuda") and cudnn else
+                 "not used (CPU run)"))
+    size, sizes = _value_used(plan, "size"), _value_used(plan, "sizes")
+    if size is not None:
+        rows.append(("problem size", f"{size} × {size} pixels"))
+    if sizes:
+        rows.append(("size sweep", ", ".join(map(str, sizes)) + " pixels per side"))
+    for name in ("batch", "seed"):
+        if _value_used(plan, name) is not None:
+            rows.append((name, str(_value_used(plan, name))))
+    if "image" in plan.values or any("image" in d for d in plan.declared.values()):
+        image = _value_used(plan, "image")
+        rows.append(("image source", image_source_in_words("synthetic" if image is None else str(image),
+                                                           _value_used(plan, "seed"))))
+    return rows
+
+
+def _device_rows(provenance: dict) -> list[tuple[str, str]]:
+    """The device and the kernel-library flags, named as torch names them (so they can be searched)."""
+    names = {"device": "device", "name": "processor or GPU", "torch": "torch", "threads": "CPU threads",
+             "mkldnn": "oneDNN available", "cuda": "CUDA", "cudnn": "cuDNN", "capability": "compute capability"}
+    rows = [(names.get(key, key.replace("_", " ")), str(value)) for key, value in provenance.get("device", {}).items()]
+    rows += [(f"torch flag {key}", str(value)) for key, value in provenance.get("backend_flags", {}).items()]
+    return rows
 
 
 def _notebook_row(outcome: NotebookOutcome, data_tmp: Path, tables_rel: Path) -> dict:
@@ -480,10 +538,13 @@ def _notebook_row(outcome: NotebookOutcome, data_tmp: Path, tables_rel: Path) ->
     tables = [{"name": p.name, "href": quote((tables_rel / outcome.name / p.name).as_posix())}
               for p in sorted(folder.glob("*.csv"))] if folder.is_dir() else []
     headline = folder / HEADLINE_FIGURE
+    from .results import figure_caption
+
     return {"name": outcome.name, "ok": outcome.ok, "status": "ok" if outcome.ok else "failed",
             "error": outcome.error, "seconds": f"{outcome.seconds:.1f}", "href": href, "error_href": error_href,
             "ipynb_href": quote(f"{outcome.name}.ipynb") if outcome.executed else None, "tables": tables,
-            "headline_uri": _data_uri(headline) if headline.is_file() else None}
+            "headline_uri": _data_uri(headline) if headline.is_file() else None,
+            "headline_caption": figure_caption(headline) if headline.is_file() else ""}
 
 
 def _data_uri(png: Path) -> str:

@@ -13,6 +13,9 @@ import pandas as pd
 
 #: one row per (candidate, experiment): what the index shows
 SUMMARY_COLUMNS = ("candidate", "experiment", "verdict", "headline")
+#: each notebook's conclusion in words (precision_lab.conclusions.Conclusion.to_frame): the index's summary
+CONCLUSIONS = "conclusions"
+CAPTION_SUFFIX = ".caption.txt"
 
 
 def notebook_dir(run_dir: str | Path | None, notebook: str) -> Path | None:
@@ -42,16 +45,34 @@ def save_tables(run_dir: str | Path | None, notebook: str, tables: dict[str, pd.
 
 
 def save_figure(run_dir: str | Path | None, notebook: str, name: str, figure) -> Path | None:
-    """Save a matplotlib figure as `<run_dir>/<notebook>/<name>.png` (the index shows headline ones)."""
+    """Save a matplotlib figure as `<run_dir>/<notebook>/<name>.png` (the index shows headline ones),
+    and its caption (precision_lab.plots.set_caption) as `<name>.caption.txt` beside it."""
+    from .plots import DPI, caption_of
+
     folder = notebook_dir(run_dir, notebook)
     if folder is None:
         return None
     path = folder / f"{name}.png"
-    figure.savefig(path, dpi=110, bbox_inches="tight")
+    figure.savefig(path, dpi=DPI, bbox_inches="tight")
+    caption = caption_of(figure)
+    if caption:
+        (folder / f"{name}{CAPTION_SUFFIX}").write_text(caption + "\n", encoding="utf-8")
     return path
+
+
+def figure_caption(png: Path) -> str:
+    """The caption saved beside a figure ('' when none was)."""
+    path = png.with_name(png.stem + CAPTION_SUFFIX)
+    return path.read_text(encoding="utf-8").strip() if path.is_file() else ""
 
 
 def load_summaries(run_dir: str | Path) -> pd.DataFrame:
     """Every notebook's summary table of a run, stacked (empty frame if none)."""
     frames = [pd.read_csv(p) for p in sorted(Path(run_dir).glob("*/summary.csv"))]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(SUMMARY_COLUMNS))
+
+
+def load_conclusions(run_dir: str | Path) -> pd.DataFrame:
+    """Every notebook's conclusions table of a run, stacked (empty frame if none)."""
+    frames = [pd.read_csv(p, keep_default_na=False, na_values=[""]) for p in sorted(Path(run_dir).glob(f"*/{CONCLUSIONS}.csv"))]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

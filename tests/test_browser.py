@@ -1,13 +1,16 @@
 """Published reports in a real browser: headless Chromium opens the index and every report, offline.
 
-Fails on console errors, images that did not load, links that lead nowhere, and any resource
-fetched from somewhere other than the run's own files. The index's screenshot is saved in the
+Fails on console errors, images that did not load, links that lead nowhere, any resource
+fetched from somewhere other than the run's own files, raw Python reprs in the text (a printed
+dict, an object or array repr) and table cells cut short ("..." or "…"); with conclusions
+required, every report must end in its conclusion and the index must open with its summary. The index's screenshot is saved in the
 run directory. Run by hand to refresh the README's picture:
     .venv/bin/python tests/test_browser.py reports/latest docs/index-screenshot.png
 """
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +29,10 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--disable-dev-shm-usage", "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND")
 SCREENSHOT = "index-screenshot.png"
+#: what must never reach a reader: a printed dict, an object's or array's repr, a pandas Series footer
+RAW_REPR = re.compile(r"\{'|\{\"|<[\w.]+ object at 0x|\barray\(|\bdtype: \w+|\bdtype=")
+#: the words a conclusion always uses (precision_lab.conclusions.Conclusion.html)
+CONCLUSION_WORDS = ("Conclusion", "What to do:")
 
 SELENIUM = importlib.util.find_spec("selenium") is not None
 needs_chromium = pytest.mark.skipif(
@@ -77,7 +84,33 @@ def page_problems(driver, page: Path) -> list[str]:
     problems += [f"fetched from outside the run: {url}" for url in fetched if urlsplit(url).scheme not in ("file", "data")]
     for href in driver.execute_script("return Array.from(document.links).map(a => a.href)"):
         problems += _link_problem(page, href)
-    return problems
+    return problems + content_problems(driver)
+
+
+def content_problems(driver) -> list[str]:
+    """Raw reprs in the text a reader sees, and table cells cut short (the page must be loaded)."""
+    text = driver.execute_script("return document.body.innerText")
+    problems = [f"raw repr in the text: {text[max(0, m.start() - 40):m.end() + 40]!r}" for m in RAW_REPR.finditer(text)]
+    cut = driver.execute_script("return Array.from(document.querySelectorAll('td, th')).map(c => c.innerText)"
+                                ".filter(t => t.includes('...') || t.includes('\u2026'))")
+    return problems + [f"table cell cut short: {cell[:100]!r}" for cell in cut]
+
+
+def conclusion_problems(driver, page: Path) -> list[str]:
+    """A report must end in its conclusion (the last cell), the index must open with the run's summary."""
+    driver.get(page.resolve().as_uri())
+    if page.name == "index.html":
+        summary = driver.execute_script("const s = document.getElementById('summary'); return s ? s.innerText : ''")
+        return [] if "What to do:" in summary else ["index: no summary in words (#summary with 'What to do:')"]
+    found = driver.execute_script(
+        "const c = document.getElementById('conclusion'); if (!c) return null;"
+        "const cells = document.querySelectorAll('.jp-Cell');"
+        "return {text: c.innerText, last: cells.length > 0 && cells[cells.length - 1].contains(c)};")
+    if not found:
+        return [f"{page.name}: no conclusion (#conclusion)"]
+    problems = [f"{page.name}: the conclusion is not the last cell"] if not found["last"] else []
+    return problems + [f"{page.name}: the conclusion lacks {word!r}" for word in CONCLUSION_WORDS
+                       if word not in found["text"]]
 
 
 def _link_problem(page: Path, href: str) -> list[str]:
@@ -95,8 +128,11 @@ def _link_problem(page: Path, href: str) -> list[str]:
     return []
 
 
-def check_run_in_browser(report_dir: Path, screenshot: Path, profile: Path) -> dict[str, list[str]]:
-    """Open index.html and every report it links; save the index's screenshot. Problems per page."""
+def check_run_in_browser(report_dir: Path, screenshot: Path, profile: Path,
+                         require_conclusions: bool = False) -> dict[str, list[str]]:
+    """Open index.html and every report it links; save the index's screenshot. Problems per page.
+
+    With `require_conclusions`, the index must open with its summary and every report end in its conclusion."""
     driver = open_browser(profile)
     try:
         index = report_dir / "index.html"
@@ -112,6 +148,10 @@ def check_run_in_browser(report_dir: Path, screenshot: Path, profile: Path) -> d
         for page in reports:
             if page.resolve() != index.resolve():
                 problems[page.name] = page_problems(driver, page)
+        if require_conclusions:
+            for page in [index, *reports]:
+                problems.setdefault(page.name, [])
+                problems[page.name] += conclusion_problems(driver, page)
         return problems
     finally:
         driver.quit()
@@ -157,11 +197,32 @@ def test_the_checker_catches_broken_pages(tmp_path):
         assert symptom in problems, (symptom, problems)
 
 
+@needs_chromium
+def test_the_checker_catches_reprs_cut_cells_and_missing_conclusions(tmp_path):
+    """What a reader must never see, and a report that does not end in its conclusion."""
+    page = tmp_path / "report.html"
+    page.write_text("<!DOCTYPE html><html><body><pre>device: {'device': 'cpu', 'torch': '2.13'}</pre>"
+                    "<table><tr><td>layout (flip HW): worst conv2.weight error ÷ b...</td><td>x\u2026</td></tr></table>"
+                    '<div class="jp-Cell"><div id="conclusion">Conclusion. What to do: nothing.</div></div>'
+                    '<div class="jp-Cell">a later cell</div></body></html>', encoding="utf-8")
+    index = tmp_path / "index.html"
+    index.write_text("<!DOCTYPE html><html><body><p>verdicts only</p></body></html>", encoding="utf-8")
+    driver = open_browser(tmp_path / "profile")
+    try:
+        problems = "\n".join(page_problems(driver, page) + conclusion_problems(driver, page)
+                             + conclusion_problems(driver, index))
+    finally:
+        driver.quit()
+    for symptom in ("raw repr in the text", "{'device'", "table cell cut short: 'layout (flip HW)", "'x\u2026'",
+                    "the conclusion is not the last cell", "index: no summary in words"):
+        assert symptom in problems, (symptom, problems)
+
+
 if __name__ == "__main__":  # refresh a screenshot: python tests/test_browser.py REPORT_DIR OUT.png
     import tempfile
 
     with tempfile.TemporaryDirectory() as profile:
-        found = check_run_in_browser(Path(sys.argv[1]), Path(sys.argv[2]), Path(profile))
+        found = check_run_in_browser(Path(sys.argv[1]), Path(sys.argv[2]), Path(profile), require_conclusions=True)
     for name, issues in found.items():
         print(name, "ok" if not issues else issues)
     sys.exit(1 if any(found.values()) else 0)

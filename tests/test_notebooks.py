@@ -99,3 +99,22 @@ def test_gradient_check_settles_the_kan_candidates(executed):
     right = rates[rates.candidate == "kan"].set_index("epsilon")
     assert right.pass_rate[1e-5] < 0.5 < right.pass_rate.max()  # the pass rate measures ε, not the gradient
     assert (right.predicted_pass_rate - right.pass_rate).abs().max() < 0.1  # and the measured noise predicts it
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_ends_in_its_conclusion_drawn_from_its_summary(executed, name):
+    """The last cell shows the conclusion; its verdicts are the summary's, each with something to do."""
+    import nbformat
+
+    folder = executed[name]
+    conclusions = pd.read_csv(folder / "conclusions.csv", keep_default_na=False)
+    summary = pd.read_csv(folder / "summary.csv")
+    assert dict(zip(conclusions.candidate, conclusions.verdict)) == dict(zip(summary.candidate, summary.verdict))
+    assert (conclusions.action.str.len() > 0).all() and (conclusions.evidence.str.len() > 0).all()
+    notebook = nbformat.read(folder.parent / f"{name}.ipynb", as_version=4)
+    last = notebook.cells[-1]
+    shown = "".join(o.get("data", {}).get("text/html", "") for o in last.get("outputs", []))
+    assert 'id="conclusion"' in shown and "What to do:" in shown
+    printed = "".join(o.get("text", "") for cell in notebook.cells for o in cell.get("outputs", [])
+                      if o.get("output_type") == "stream" and o.get("name") == "stdout")
+    assert "{'" not in printed  # no dict printed into the page

@@ -225,7 +225,7 @@ def test_real_notebooks_with_quick_parameters(tmp_path):
         from test_browser import check_run_in_browser
 
         problems = check_run_in_browser(tmp_path / "reports" / "quick", tmp_path / "runs" / "quick" / "index.png",
-                                        tmp_path / "profile")
+                                        tmp_path / "profile", require_conclusions=True)
         assert problems == {page: [] for page in problems}
 
 

@@ -20,6 +20,7 @@ import torch
 from ..candidates import Candidate
 from ..formats import unit_roundoff
 from ..problem import Problem
+from ..tables import format_number
 from ..verdict import judge
 from . import cached_reference, progress, summary_row
 
@@ -89,7 +90,7 @@ def summarise(table: pd.DataFrame, judgements: dict) -> pd.DataFrame:
             headline = "no float64 build: ratio unavailable"
         else:
             worst = params.ratio.max()
-            headline = (f"err64/err32 ≤ {worst:.1e} (rounding predicts {EXPECTED_RATIO:.1e}); "
+            headline = (f"err64 ÷ err32 ≤ {format_number(worst)} (rounding predicts {format_number(EXPECTED_RATIO)}); "
                         + (f"persists in {', '.join(persists.quantity)}" if len(persists) else "vanishes everywhere"))
         rows.append(summary_row(name, EXPERIMENT, verdict, headline, worst_ratio=float(params.ratio.max())))
     return pd.DataFrame(rows)

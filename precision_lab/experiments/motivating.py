@@ -1,7 +1,7 @@
 """The motivating case (DESIGN.md): replay the seed's Fortran/cuDNN design and settle its table.
 
 The seed compared its Fortran/CUDA gradients with PyTorch's and saw weight-gradient
-differences of 0.05-0.29 with bias and loss differences near 1e-5. The replay candidates
+differences of 0.049-0.29 with bias and loss differences near 1e-5. The replay candidates
 hold the weights as (H, W, In, Out) like the seed's code and convert cuDNN's (Out, In, H, W)
 gradients back: `fortran-replay` correctly, `fortran-replay-flip` with the spatial flip the
 seed's conversion added. Computing their differences from PyTorch on the seed problem
@@ -9,31 +9,56 @@ reproduces the seed's magnitudes; judging them against the float64 reference nam
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import torch
 
 from ..candidates import get_builtin
 from ..errmodel import error_bounds
+from ..errors import LabInputError
+from ..paths import DATA_DIR
 from ..problem import Problem
+from ..tables import format_number, format_range, format_reported
 from ..verdict import Judgement, judge
 from . import cached_reference, summary_row
 
 EXPERIMENT = "04-motivating-case"
 
-#: the seed's table (DESIGN.md, "The motivating case"): its candidate against PyTorch float32
-SEED_TABLE = pd.DataFrame([
-    {"quantity": "loss", "seed_max_abs": 1e-6, "seed_mean_abs": np.nan},
-    {"quantity": "conv1.bias", "seed_max_abs": 2.2e-5, "seed_mean_abs": 6.6e-6},
-    {"quantity": "conv2.bias", "seed_max_abs": 8.2e-5, "seed_mean_abs": 1.9e-5},
-    {"quantity": "conv3.bias", "seed_max_abs": 8.6e-6, "seed_mean_abs": 8.6e-6},
-    {"quantity": "conv1.weight", "seed_max_abs": 0.049, "seed_mean_abs": 0.012},
-    {"quantity": "conv2.weight", "seed_max_abs": 0.290, "seed_mean_abs": 0.018},
-    {"quantity": "conv3.weight", "seed_max_abs": 0.168, "seed_mean_abs": 0.067},
-])
+#: the seed's reported figures (DESIGN.md, "The motivating case"), shipped as a table (data/README.md)
+SEED_REPORTED = DATA_DIR / "seed-reported.csv"
 
-#: the seed's own rounding estimate, √N·u ≈ 3.6e-4, which it compared with 0.05-0.29
-SEED_ESTIMATE = 3.6e-4
+
+def _read_seed_reported(path: Path) -> pd.DataFrame:
+    try:
+        frame = pd.read_csv(path)
+    except (OSError, pd.errors.ParserError) as exc:
+        raise LabInputError(f"{path}: cannot read the seed's reported figures ({exc}); the lab ships it in data/") from None
+    missing = {"quantity", "kind", "max_abs_diff", "mean_abs_diff"} - set(frame.columns)
+    if missing:
+        raise LabInputError(f"{path}: lacks columns {sorted(missing)} (expected quantity, kind, max_abs_diff, "
+                            "mean_abs_diff, reported_values)")
+    return frame
+
+
+def seed_reported(path: str | Path = SEED_REPORTED) -> pd.DataFrame:
+    """The seed's differences from PyTorch float32: quantity, seed_max_abs, seed_mean_abs."""
+    frame = _read_seed_reported(Path(path))
+    differences = frame[frame["kind"] == "difference"]
+    return pd.DataFrame({"quantity": differences["quantity"].to_numpy(),
+                         "seed_max_abs": differences["max_abs_diff"].astype(float).to_numpy(),
+                         "seed_mean_abs": differences["mean_abs_diff"].astype(float).to_numpy()})
+
+
+def seed_estimate(path: str | Path = SEED_REPORTED) -> float:
+    """The seed's own rounding estimate, √N·u ≈ 3.6e-4, which it compared with 0.05-0.29."""
+    frame = _read_seed_reported(Path(path))
+    estimate = frame[frame["kind"] == "rounding estimate"]
+    if estimate.empty:
+        raise LabInputError(f"{path}: no row of kind 'rounding estimate' (the seed's √N·u)")
+    return float(estimate["max_abs_diff"].iloc[0])
+
 
 #: the PyTorch run the seed compared against, the faithful replay, the replay with the slip
 PYTORCH, REPLAY, REPLAY_SLIP = "native", "fortran-replay", "fortran-replay-flip"
@@ -44,17 +69,20 @@ def _diff(got, want) -> tuple[float, float]:
     return float(d.max()), float(d.mean())
 
 
-def replay(problem: Problem, device: torch.device) -> tuple[pd.DataFrame, dict[str, Judgement]]:
+def replay(problem: Problem, device: torch.device, seed_table: pd.DataFrame | None = None
+           ) -> tuple[pd.DataFrame, dict[str, Judgement]]:
     """The seed's table beside the replays' differences from PyTorch, and each replay's judgement.
 
-    Table columns: quantity, seed_max_abs, seed_mean_abs, then for each replay
+    Table columns: quantity, seed_max_abs, seed_mean_abs (`seed_table`, by default data/seed-reported.csv), then for each replay
     `<name>_max_abs`/`<name>_mean_abs` (against PyTorch float32, as the seed measured) and
     `bound_max` (the error model's largest per-element float32 bound for the quantity).
     """
     trace = cached_reference(problem, device)
     pytorch = get_builtin(PYTORCH).compute(problem, "float32", device)
     bounds = error_bounds(trace, "float32")
-    table = SEED_TABLE.copy()
+    table = (seed_reported() if seed_table is None else seed_table).copy()
+    # the seed's figures name the seed network's quantities: another network keeps the ones it shares
+    table = table[table["quantity"].isin(["loss", *problem.network.parameter_names])].reset_index(drop=True)
     judgements = {}
     for name in (REPLAY_SLIP, REPLAY):
         candidate = get_builtin(name)
@@ -86,36 +114,53 @@ def evidence(judgement: Judgement) -> pd.DataFrame:
 def summarise(table: pd.DataFrame, judgements: dict[str, Judgement]) -> pd.DataFrame:
     """One summary row per replay: verdict, and the headline that the index shows."""
     rows = []
+    weights = table[table.quantity.str.endswith(".weight")]
+    seed = f"{format_reported(weights.seed_max_abs.min())}–{format_reported(weights.seed_max_abs.max())}"  # as written
     for name, judgement in judgements.items():
-        weights = table[table.quantity.str.endswith(".weight")]
-        headline = (f"{judgement.headline()}; weight-gradient differences from PyTorch "
-                    f"{weights[f'{name}_max_abs'].min():.2g}-{weights[f'{name}_max_abs'].max():.2g} "
-                    f"(seed: {weights.seed_max_abs.min():.2g}-{weights.seed_max_abs.max():.2g})")
+        differences = weights[f"{name}_max_abs"]
+        compared = ("weight gradients identical to PyTorch's, bit for bit" if differences.max() == 0 else
+                    f"weight-gradient differences from PyTorch {format_range(differences.min(), differences.max())}")
+        worst = max(judgement.quantities.values(), key=lambda q: q.bound_ratio)
+        detail = judgement.layout_fix or judgement.format
+        headline = (f"{judgement.verdict}{f' ({detail})' if detail else ''}: worst {worst.quantity} error ÷ bound "
+                    f"{format_number(worst.bound_ratio)}; {compared} (seed: {seed})")
         rows.append(summary_row(name, EXPERIMENT, judgement.verdict, headline))
     return pd.DataFrame(rows)
 
 
-def headline_figure(table: pd.DataFrame, judgement: Judgement):
+def headline_figure(table: pd.DataFrame, judgement: Judgement, estimate: float | None = None):
     """Max |difference| per quantity: the seed, the replays and the float32 rounding bound (log scale)."""
     import matplotlib.pyplot as plt
 
-    series = [("seed's table", "seed_max_abs"), (f"{REPLAY_SLIP} − PyTorch", f"{REPLAY_SLIP}_max_abs"),
-              (f"{REPLAY} − PyTorch", f"{REPLAY}_max_abs"), ("float32 rounding bound (max)", "bound_max")]
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    from ..plots import set_caption
+
+    estimate = seed_estimate() if estimate is None else estimate
+    series = [("seed's report (its code − PyTorch)", "seed_max_abs"), (f"{REPLAY_SLIP} − PyTorch", f"{REPLAY_SLIP}_max_abs"),
+              (f"{REPLAY} − PyTorch", f"{REPLAY}_max_abs"), ("float32 rounding bound (largest element)", "bound_max")]
+    fig, ax = plt.subplots(figsize=(9, 4.4))
     x = np.arange(len(table))
     width = 0.2
     for k, (label, column) in enumerate(series):
         ax.bar(x + (k - 1.5) * width, table[column].clip(lower=1e-12), width, label=label)
-    ax.axhline(SEED_ESTIMATE, color="grey", ls="--", lw=1, label="seed's estimate √N·u")
+    ax.axhline(estimate, color="grey", ls="--", lw=1, label=f"seed's estimate √N·u = {estimate:.1e}")
     ax.set_yscale("log")
     ax.set_xticks(x, table["quantity"], rotation=20)
-    ax.set_ylabel("max |difference|")
-    ax.set_title(f"Motivating case: verdict {judgement.verdict}"
-                 + (f" — fix: {judgement.layout_fix}" if judgement.layout_fix else ""))
-    ax.legend(fontsize=8, ncol=2)
+    ax.set_xlabel("quantity")
+    ax.set_ylabel("max |difference| (absolute)")
+    ax.set_title(f"Motivating case: {REPLAY_SLIP} is {judgement.verdict}"
+                 + (f" (fix: {judgement.layout_fix})" if judgement.layout_fix else ""))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     fig.tight_layout()
+    beyond = list(table.quantity[table[f"{REPLAY_SLIP}_max_abs"] > 2 * table.bound_max])
+    faithful_beyond = list(table.quantity[table[f"{REPLAY}_max_abs"] > 2 * table.bound_max])
+    set_caption(fig, f"Compare orange ({REPLAY_SLIP}) with red (the float32 rounding bound; two float32 results may "
+                     "differ by twice it): "
+                     + (f"{', '.join(beyond)} {'is' if len(beyond) == 1 else 'are'} beyond it, like the seed's blue bars"
+                        if beyond else "no quantity is beyond it")
+                     + f", while green ({REPLAY}) "
+                     + (f"is beyond it in {', '.join(faithful_beyond)}." if faithful_beyond else "stays below it."))
     return fig
 
 
-__all__ = ["EXPERIMENT", "SEED_TABLE", "SEED_ESTIMATE", "replay", "magnitude_agreement", "evidence", "summarise",
+__all__ = ["EXPERIMENT", "SEED_REPORTED", "seed_reported", "seed_estimate", "replay", "magnitude_agreement", "evidence", "summarise",
            "headline_figure"]

@@ -22,6 +22,7 @@ import torch
 from ..candidates import Candidate
 from ..problem import Problem
 from ..reference import reference
+from ..tables import format_factor, format_number, format_percent
 from ..verdict import judge
 from . import cached_reference, progress
 
@@ -189,16 +190,18 @@ def lr_masking_summary(step_table: pd.DataFrame) -> pd.DataFrame:
 
 
 def findings(masking: pd.DataFrame, lr: float, adam_lr: float) -> list[str]:
-    """Plain-text sentences putting numbers on the masking (printed, so nbconvert escapes them)."""
+    """Plain-text sentences putting numbers on the masking, one per candidate."""
     lines = []
     for row in masking.itertuples():
         lines.append(
-            f"{row.candidate}: gradient error {row.grad_rel_err:.2e} (relative); after one SGD step (lr={lr}) the "
-            f"weights differ by {row.sgd_weight_rel_err:.2e}, {row.weights_hide_by:.0f}× smaller, and only "
-            f"{100 * row.error_visible_in_weights:.1f}% of the error survives float32 rounding of the weights; "
-            f"the update lr·g differs by {row.sgd_update_rel_err:.2e}, the gradient's own error. "
-            f"Adam's first step (lr={adam_lr}) is identical to float64 in {100 * row.adam_identical_fraction:.1f}% "
-            f"of elements, because it is lr·sign(g): sign agreement {100 * row.sign_agreement:.1f}%.")
+            f"{row.candidate}: gradient error {format_number(row.grad_rel_err)} (relative); after one SGD step "
+            f"(lr = {lr:g}) the weights differ by {format_number(row.sgd_weight_rel_err)}, "
+            f"{format_factor(row.weights_hide_by)} less, and the error changes the stored float32 weights in "
+            f"{format_percent(row.error_visible_in_weights)} of elements (elsewhere it is under half an ulp of the "
+            f"weight and rounds away); the update lr·g differs by {format_number(row.sgd_update_rel_err)}, the "
+            f"gradient's own error. Adam's first step (lr = {adam_lr:g}) equals float64's in "
+            f"{format_percent(row.adam_identical_fraction)} of elements, because it is lr·sign(g): the signs agree in "
+            f"{format_percent(row.sign_agreement)}.")
     return lines
 
 
@@ -210,8 +213,9 @@ def summarise(judgements: dict, masking: pd.DataFrame, envelope: pd.DataFrame | 
         trajectory = ("" if row.candidate not in inside else
                       "; trajectory inside the float32 envelope" if inside[row.candidate] else
                       "; trajectory leaves the float32 envelope")
-        headline = (f"update error {row.sgd_update_rel_err:.1e} vs weight error {row.sgd_weight_rel_err:.1e} "
-                    f"(weights hide it {row.weights_hide_by:.0f}×){trajectory}")
+        headline = (f"update error {format_number(row.sgd_update_rel_err)} vs weight error "
+                    f"{format_number(row.sgd_weight_rel_err)} (weights hide it {format_factor(row.weights_hide_by)})"
+                    f"{trajectory}")
         rows.append({"candidate": row.candidate, "experiment": EXPERIMENT,
                      "verdict": judgements[row.candidate].verdict, "headline": headline,
                      "update_rel_err": row.sgd_update_rel_err, "weight_rel_err": row.sgd_weight_rel_err,

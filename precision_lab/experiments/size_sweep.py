@@ -29,6 +29,7 @@ from ..model import ModelSpecError
 from ..problem import make_problem
 from ..verdict import judge
 from . import cached_reference, network_for, progress, summary_row  # noqa: F401 - network_for for notebook 03
+from ..tables import format_number
 
 EXPERIMENT = "03-size-sweep"
 
@@ -74,6 +75,8 @@ def sweep(sizes: list[int], candidates: list[Candidate], device: torch.device, b
                     "err_over_grad": float(err.max() / max(np.abs(ref.grads[name]).max(), 1e-300)),
                     "bound_ratio": quantity.bound_ratio, "verdict": quantity.verdict,
                     "overall_verdict": judgement.verdict,
+                    # what names the overall verdict (a transform, a format): the conclusion's "what to do" needs it
+                    "overall_layout_fix": judgement.layout_fix, "overall_format": judgement.format,
                     "sqrt_n": math.sqrt(n), "log2_n": math.log2(n),
                 })
         del ref, abs_sums
@@ -119,8 +122,9 @@ def summarise(table: pd.DataFrame, fits: pd.DataFrame) -> pd.DataFrame:
         defect_like = (cand_fits.min_err_over_grad >= DEFECT_REL_TO_GRAD).any()
         if defect_like and verdict == "roundoff":  # O(1) error at every size is never rounding
             verdict = "defect"
-        headline = (f"err/(u·S) ∝ n^{weights.alpha_vs_S.median():.2f}, err/|g| ∝ n^{weights.beta_vs_grad.median():.2f}"
-                    f" (weights, median); max error ÷ bound {group.bound_ratio.max():.2g} at {group['size'].iloc[0]}²")
+        headline = (f"error ÷ (u·S) ∝ n^{weights.alpha_vs_S.median():.2f}, error ÷ |g| ∝ n^{weights.beta_vs_grad.median():.2f}"
+                    f" (weights, median); max error ÷ bound {format_number(group.bound_ratio.max())} at "
+                    f"{group['size'].iloc[0]} × {group['size'].iloc[0]}")
         rows.append(summary_row(name, EXPERIMENT, verdict, headline,
                                 alpha_vs_S=float(weights.alpha_vs_S.median()),
                                 beta_vs_grad=float(weights.beta_vs_grad.median())))

@@ -1,0 +1,86 @@
+"""A single diagnosis as a self-contained HTML page, in the reports' style (`diagnose --html OUT`).
+
+The page is what a reviewer who never runs the lab reads: the verdict and its conclusion in words
+(precision_lab.conclusions), the run context, the evidence per quantity as a table for people
+(precision_lab.tables), the evidence lines and the error model used. Everything is escaped text;
+the stylesheet is inline; there is no script and nothing is fetched.
+"""
+from __future__ import annotations
+
+import datetime as dt
+
+from . import conclusions, tables
+
+#: evidence columns of a judgement, in reading order (precision_lab.verdict.QuantityVerdict)
+EVIDENCE_COLUMNS = ("quantity", "verdict", "max_abs_err", "mean_abs_err", "bound_ratio", "exceeding", "ulps",
+                    "cosine", "sign_agreement", "layout_fix", "format")
+
+
+def _model_rows(model: dict) -> list[tuple[str, str]]:
+    rows = []
+    for key, value in model.items():
+        text = tables.format_number(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+        rows.append((str(key).replace("_", " "), text))
+    return rows
+
+
+def diagnosis_page(judgement, problem=None, device_info: dict | None = None, title: str | None = None) -> str:
+    """The whole HTML document for one judgement (precision_lab.verdict.Judgement)."""
+    conclusion = conclusions.from_judgement(judgement)
+    frame = judgement.to_frame()
+    columns = [c for c in EVIDENCE_COLUMNS if c in frame.columns]
+    context = tables.context_rows(device_info, problem) if device_info is not None else []
+    context += [("claimed precision", judgement.claimed_precision),
+                ("written", dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))]
+    evidence = "".join(f"<li>{tables.escape(line)}</li>" for line in judgement.evidence)
+    heading = title or f"precision-lab diagnosis: {judgement.candidate}"
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1.0">
+<title>{tables.escape(heading)}</title>
+<style>
+{tables.stylesheet()}
+ body {{ font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 75em; color: #222; padding: 0 1em; }}
+ h1 {{ font-size: 1.6em; margin-bottom: .3em; }} h2 {{ margin-top: 1.4em; border-bottom: 1px solid #ddd; }}
+</style>
+</head>
+<body>
+<h1>{tables.escape(heading)}</h1>
+<p>{tables.verdict_chip(conclusion.findings[0].verdict_text, judgement.verdict)} {tables.escape(_headline(judgement))}</p>
+{conclusion.html()}
+<h2>Run context</h2>
+{tables.definition_table(context, "run-context")}
+<h2>Evidence per quantity</h2>
+{tables.table_html(frame, columns, table_id="evidence")}
+{f'<h3>How the verdict was reached</h3><ul class="lab-evidence">{evidence}</ul>' if evidence else ''}
+<h2>Error model</h2>
+{tables.definition_table(_model_rows(judgement.model), "error-model")}
+<p class="lab-note">The bound per element is the probabilistic bound of Higham &amp; Mary (2019), λ·√n·u·S with
+S = Σ|terms|, propagated through the layers; error ÷ bound ≤ 1 is rounding (docs/verdicts.md).</p>
+</body>
+</html>
+"""
+
+
+def _headline(judgement) -> str:
+    worst = max(judgement.quantities.values(), key=lambda q: q.bound_ratio)
+    return f"worst: {worst.quantity}, max error ÷ bound {tables.format_number(worst.bound_ratio)}"
+
+
+def write_diagnosis_page(path, judgement, problem=None, device_info: dict | None = None) -> None:
+    """Write the page; a path that cannot be written is one clear line (LabInputError)."""
+    from pathlib import Path
+
+    from .errors import LabInputError
+
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(diagnosis_page(judgement, problem, device_info), encoding="utf-8")
+    except OSError as exc:
+        raise LabInputError(f"{out}: cannot write the HTML diagnosis ({exc.strerror})") from None
+
+
+__all__ = ["diagnosis_page", "write_diagnosis_page"]
