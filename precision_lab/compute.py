@@ -251,7 +251,7 @@ def autograd_forward_backward(problem: Problem, dtype: str = "float32", device: 
     from .modules import SpecModule
 
     network = problem.network
-    module = SpecModule(network).to(device=device, dtype=TORCH_DTYPES[dtype])
+    module = SpecModule(network, device=device, dtype=TORCH_DTYPES[dtype])
     x, target, params = to_tensors(problem, dtype, device)
     with torch.no_grad():
         for name, value in module.named_parameters():

@@ -21,8 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import errmodel
+import torch
+
+from . import errmodel, resources
 from .bundle import write_bundle, write_request
+from .device import resolve_device
 from .errors import LabInputError
 from .layout import check_layout, to_layout
 from .compute import Trace
@@ -45,6 +48,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw", action="store_true", help="raw column-major .bin files instead of arrays.npz")
     parser.add_argument("--precision", default="float32", choices=EXPORT_PRECISIONS,
                         help="precision of the request and of the bounds (default float32)")
+    parser.add_argument("--device", default="auto", help="where the float64 reference and its bounds are computed: "
+                                                         "auto, cpu or cuda[:N] (default auto: the GPU when present)")
     parser.add_argument("--out", required=True, type=Path, help="output folder (must not exist or be empty)")
 
 
@@ -60,14 +65,16 @@ def main(args: argparse.Namespace) -> int:
     size = options.size(args.size) or network.default_size(1024)
     problem = make_problem(size, options.positive(args.batch, "--batch"), options.nonnegative(args.seed, "--seed"),
                            network=network)
-    out = export(problem, args.out, args.precision, args.layout, args.raw)
+    device = resolve_device(args.device)
+    resources.check_fits(network, problem.batch, problem.height, problem.width, device, "this export")
+    out = export(problem, args.out, args.precision, args.layout, args.raw, device)
     print(f"request bundle:   {out / 'request'}")
     print(f"reference+bounds: {out / 'reference'}  (check: {CHECK})")
     return 0
 
 
 def export(problem: Problem, out: str | Path, precision: str = "float32", weight_layout: str = "OIHW",
-           raw: bool = False) -> Path:
+           raw: bool = False, device: str | torch.device = "cpu") -> Path:
     """Write OUT/request and OUT/reference for `problem`; OUT must not exist or be empty.
 
     Everything is written to a temporary sibling folder first and renamed into place at the end,
@@ -79,7 +86,7 @@ def export(problem: Problem, out: str | Path, precision: str = "float32", weight
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         write_request(problem, staging / "request", precision, weight_layout, raw)
-        trace = reference(problem)
+        trace = reference(problem, device)
         write_bundle(staging / "reference", "reference", "float64", weight_layout,
                      reference_arrays(problem, trace, precision, weight_layout), raw, network=problem.network,
                      extra={"bound_precision": precision, "problem": problem.describe(), "check": CHECK,

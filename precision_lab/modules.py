@@ -21,18 +21,19 @@ from .ops import OPS
 class SpecModule(nn.Module):
     """A Network as a PyTorch module: parameters under '<layer name>.weight' / '.bias'."""
 
-    def __init__(self, network: Network):
+    def __init__(self, network: Network, device=None, dtype=None):
         super().__init__()
+        place = {"device": device, "dtype": dtype}  # built where it runs: no host copy to move
         self.network = network
         self.steps = []
         for layer in network.layers:
             attrs = layer.attrs
             if layer.op == "conv2d":
                 module = nn.Conv2d(attrs["in"], attrs["out"], attrs["kernel"], attrs["stride"], attrs["padding"],
-                                   attrs["dilation"], attrs["groups"], attrs["bias"])
+                                   attrs["dilation"], attrs["groups"], attrs["bias"], **place)
                 self._add(layer.name, module)
             elif layer.op == "linear":
-                self._add(layer.name, nn.Linear(attrs["in"], attrs["out"], attrs["bias"]))
+                self._add(layer.name, nn.Linear(attrs["in"], attrs["out"], attrs["bias"], **place))
 
     def _add(self, name: str, module: nn.Module) -> None:
         # a dotted name ('enc.conv1') becomes nested modules, so state_dict keys read 'enc.conv1.weight'

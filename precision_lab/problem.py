@@ -206,13 +206,13 @@ def load_micrograph(path: str | Path, size=None) -> np.ndarray:
 
 def init_params(network: Network, seed: int) -> dict[str, np.ndarray]:
     """PyTorch's default Conv2d/Linear initialisation, drawn in layer order from a generator seeded with `seed`."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device="cpu").manual_seed(seed)  # host draws: the same numbers whatever the device
     params = {}
     for name, shape in network.param_shapes.items():
         weight_shape = network.param_shapes[name.rsplit(".", 1)[0] + ".weight"]
         fan_in = math.prod(weight_shape[1:])
         bound = 1.0 / math.sqrt(fan_in)
-        values = torch.rand(shape, generator=generator, dtype=torch.float64) * (2 * bound) - bound
+        values = torch.rand(shape, generator=generator, dtype=torch.float64, device="cpu") * (2 * bound) - bound
         params[name] = values.to(torch.float32).numpy()
     return params
 

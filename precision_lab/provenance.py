@@ -33,6 +33,10 @@ def package_versions(names=PACKAGES) -> dict[str, str | None]:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
+    if versions.get("torch") is not None:
+        import torch
+
+        versions["torch"] = torch.__version__  # with its build tag ('2.11.0+cu130'): the wheel's metadata drops it
     return versions
 
 
@@ -64,6 +68,18 @@ def backend_flags() -> dict:
              "mkldnn_enabled": torch.backends.mkldnn.enabled}
     flags["cudnn_version"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return flags
+
+
+def kernels_that_ran(run_dir: Path) -> dict[str, list]:
+    """The kernels each notebook recorded with torch.profiler (`<notebook>/kernels.json`), kept with the run:
+    the numbers depend on which cuDNN/oneDNN kernels ran, and that choice changes between versions and GPUs."""
+    found = {}
+    for table in sorted(Path(run_dir).glob("*/kernels.json")):
+        try:
+            found[table.parent.name] = json.loads(table.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # a notebook that failed mid-write: its outcome already says so
+    return found
 
 
 def device_description(device_spec: str = "auto") -> dict:

@@ -225,6 +225,7 @@ def execute(plan: RunPlan) -> int:
         provenance["finished_utc"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         provenance["seconds"] = round(time.monotonic() - started, 1)
         provenance["outcome"] = [outcome.__dict__ for outcome in outcomes]
+        provenance["kernels"] = prov.kernels_that_ran(data_tmp)
         prov.write(provenance, report_tmp)
         prov.write(provenance, data_tmp)
         write_index(report_tmp, data_tmp, plan, provenance, outcomes)

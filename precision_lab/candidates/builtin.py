@@ -54,6 +54,34 @@ register(Candidate(
 ))
 
 
+def _native_knobs(**flags):
+    """cuDNN with TF32 off and one knob set: benchmark (autotuned kernel per shape) or deterministic."""
+    def run(problem: Problem, precision: str, device: torch.device) -> Result:
+        from ..conv.backends import native_flags
+
+        with native_flags(fp32_precision="ieee", **flags):
+            result = autograd_forward_backward(problem, precision, device)
+        result.meta.update(fp32_precision="ieee", cudnn=torch.backends.cudnn.version(), **flags)
+        return result
+
+    return run
+
+
+register(Candidate(
+    name="native-benchmark",
+    description="PyTorch autograd on GPU, TF32 off, cuDNN autotuner on (benchmark=True: the fastest kernel per shape)",
+    run=_native_knobs(benchmark=True),
+    devices=("cuda",),
+))
+
+register(Candidate(
+    name="native-deterministic",
+    description="PyTorch autograd on GPU, TF32 off, cuDNN restricted to deterministic kernels (no autotuning)",
+    run=_native_knobs(deterministic=True, benchmark=False),
+    devices=("cuda",),
+))
+
+
 def emulated(fmt: str, passes=Kernels.PASSES):
     """A float32 forward + backward with every sum's operands rounded to `fmt` (the float64 build: none)."""
     def run(problem: Problem, precision: str, device: torch.device) -> Result:

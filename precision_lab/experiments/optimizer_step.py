@@ -56,9 +56,10 @@ def _sup_rel(a: np.ndarray, b: np.ndarray) -> float:
 def _optimizer_step(params: dict[str, np.ndarray], grads: dict[str, np.ndarray], dtype: torch.dtype,
                     optimizer: str, lr: float) -> dict[str, np.ndarray]:
     """One step of torch.optim.SGD or Adam (default betas, ε) on copies of `params`, in `dtype`."""
-    tensors = {name: torch.tensor(np.asarray(value), dtype=dtype) for name, value in params.items()}
+    # on the host: parameters are a few thousand numbers, and the step must be the same on every device
+    tensors = {name: torch.tensor(np.asarray(value), dtype=dtype, device="cpu") for name, value in params.items()}
     for name, tensor in tensors.items():
-        tensor.grad = torch.tensor(np.asarray(grads[name]), dtype=dtype)
+        tensor.grad = torch.tensor(np.asarray(grads[name]), dtype=dtype, device="cpu")
     opt_class = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
     opt_class(list(tensors.values()), lr=lr).step()
     return {name: tensor.detach().numpy() for name, tensor in tensors.items()}
