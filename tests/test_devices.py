@@ -152,3 +152,23 @@ def test_an_absent_gpu_is_one_line_exit_2(capsys):
     assert main(["diagnose", "--candidate", "builtin:native", "--size", "16", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no CUDA GPU" in err
+
+
+def test_the_notebooks_experiments_make_no_tensor_off_the_device(device, implicit_tensors_on_meta):
+    from precision_lab.experiments import algorithms, candidates_for, float64_recompilation, motivating
+    from precision_lab.experiments import optimizer_step, size_sweep
+
+    problem = make_problem((20, 24), 2, 0)
+    candidates, _ = candidates_for(["native", "fortran-replay-flip"], device)
+    table, judgements = optimizer_step.single_step(problem, candidates, device)
+    assert judgements["fortran-replay-flip"].verdict == "layout" and len(table)
+    traj = optimizer_step.trajectories(problem, candidates[:1], candidates[:1], device, steps=2)
+    assert traj["step"].max() == 2
+    table, judgements, _ = float64_recompilation.recompilation_table(problem, candidates, device)
+    assert judgements["native"].verdict == "roundoff"
+    assert len(size_sweep.sweep([16, 24], candidates[:1], device)) > 0
+    assert len(size_sweep.noise_floor_at(16, device, ["sum-pairwise", "sum-sequential", "sum-blocked", "split-k",
+                                                      "micro-batched"])) > 0
+    assert set(algorithms.sweep([16], ["direct", "fft"], device)["verdict"]) == {"roundoff"}
+    _, judgements = motivating.replay(make_problem(24, 2, 0), device)
+    assert any(j.verdict == "layout" for j in judgements.values())
