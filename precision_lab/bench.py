@@ -33,6 +33,7 @@ import psutil
 
 from . import options
 from .compute import forward_backward
+from . import resources
 from .device import resolve_device
 from .errors import LabInputError
 from .model import ModelSpecError, load_model
@@ -257,7 +258,12 @@ def main(args: argparse.Namespace) -> int:
         network = load_model(args.model)
     except ModelSpecError as exc:
         raise LabInputError(f"--model: {exc}") from None
-    size = options.size(args.size) or network.default_size(1024)
+    size = options.size(args.size, "--size") or network.default_size(1024)
+    try:
+        network.check_size(*size)
+    except ModelSpecError as exc:
+        raise LabInputError(f"--size: {exc}") from None
+    resources.check_fits(network, batch, size[0], size[1], device, "this benchmark")  # before anything is allocated
     parts = args.only or list(PARTS)
     problem_text = f"{size[0]}×{size[1]}, batch {batch}, seed {seed}, network {network.name}, on {device}"
     figures: dict = {"size": list(size), "batch": batch, "seed": seed, "device": str(device), "network": network.name}

@@ -128,8 +128,10 @@ class Diagnosis:
 
 
 def candidate_and_problem(candidate_spec: str | None, bundle: str | None, size=None, batch=None, seed=None,
-                          model=None) -> tuple[Candidate, Problem]:
-    """Resolve the candidate and the problem it is judged on (a static bundle's own, else one made here)."""
+                          model=None, device=None) -> tuple[Candidate, Problem]:
+    """Resolve the candidate and the problem it is judged on (a static bundle's own, else one made here).
+
+    With `device`, a problem too large for the memory free there is refused before it is allocated."""
     if bundle is not None:
         if not Path(bundle).is_dir():
             raise LabInputError(f"{bundle}: --bundle expects a directory holding bundle.json and arrays.npz")
@@ -153,6 +155,9 @@ def candidate_and_problem(candidate_spec: str | None, bundle: str | None, size=N
         network = asked
     network = network or load_model(None)
     height, width = size if size is not None else network.default_size(DEFAULT_SIZE)
+    if device is not None:
+        resources.check_fits(network, batch if batch is not None else DEFAULT_BATCH, height, width,
+                             resolve_device(str(device)))
     problem = make_problem((height, width), batch if batch is not None else DEFAULT_BATCH,
                            seed if seed is not None else DEFAULT_SEED, network=network)
     if not candidate.applies_to(network):
@@ -272,8 +277,8 @@ def main(args: argparse.Namespace) -> int:
     seed = options.nonnegative(args.seed, "--seed")
     repeats = options.positive(args.repeats, "--repeats")
     chosen = probe_set.select(args.probes)
-    resolve_device(args.device)  # a bad --device fails before anything runs
-    candidate, problem = candidate_and_problem(args.candidate, args.bundle, size, batch, seed, args.model)
+    where = resolve_device(args.device)  # a bad --device fails before anything runs
+    candidate, problem = candidate_and_problem(args.candidate, args.bundle, size, batch, seed, args.model, where)
     diagnosis = diagnose(candidate, problem, args.device, chosen, repeats, progress=sys.stderr.isatty())
     print(f"problem: {problem.size_text}, batch {problem.batch}, seed {problem.seed}, {problem.source}, "
           f"network {problem.network.name}")

@@ -62,11 +62,15 @@ def main(args: argparse.Namespace) -> int:
         network = load_model(args.model)
     except ModelSpecError as exc:
         raise LabInputError(f"--model: {exc}") from None
-    size = options.size(args.size) or network.default_size(1024)
-    problem = make_problem(size, options.positive(args.batch, "--batch"), options.nonnegative(args.seed, "--seed"),
-                           network=network)
+    size = options.size(args.size, "--size") or network.default_size(1024)
+    batch = options.positive(args.batch, "--batch")
     device = resolve_device(args.device)
-    resources.check_fits(network, problem.batch, problem.height, problem.width, device, "this export")
+    try:
+        network.check_size(*size)
+    except ModelSpecError as exc:
+        raise LabInputError(f"--size: {exc}") from None
+    resources.check_fits(network, batch, size[0], size[1], device, "this export")  # before anything is allocated
+    problem = make_problem(size, batch, options.nonnegative(args.seed, "--seed"), network=network)
     out = export(problem, args.out, args.precision, args.layout, args.raw, device)
     print(f"request bundle:   {out / 'request'}")
     print(f"reference+bounds: {out / 'reference'}  (check: {CHECK})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import zipfile
@@ -225,3 +226,35 @@ def test_the_installed_command_prints_one_line_and_exits_2(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip() == ("precision-lab: error: -p size: expected an integer like the default 32 "
                                    "of 01-fixture-gradients, got a string 'huge'")
+
+
+OPTION_CASES = [
+    ("negative seed", ["diagnose", "--candidate", "builtin:native", "--seed", "-3"],
+     ["--seed", "non-negative integer", "-3"]),
+    ("size without width", ["diagnose", "--candidate", "builtin:native", "--size", "61x"], ["--size", "HxW", "61x"]),
+    ("size with three sides", ["export", "--size", "8x8x8", "--out", "{d}/never"], ["--size", "8x8x8"]),
+    ("size the pools cannot divide", ["diagnose", "--candidate", "builtin:native", "--size", "65x64", "--model",
+                                      str(ROOT / "examples" / "models" / "lenet-classifier.json")], ["p1", "65"]),
+    ("size a stride cannot divide, export", ["export", "--size", "31", "--out", "{d}/never", "--model",
+                                             str(ROOT / "examples" / "models" / "small-unet.json")], ["--size", "31"]),
+]
+
+
+@pytest.mark.parametrize("case, args, words", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
+def test_every_numeric_option_names_itself(capsys, tmp_path, case, args, words):
+    message = one_line_error(capsys, [a.replace("{d}", str(tmp_path)) for a in args])
+    for word in words:
+        assert word in message, (case, message)
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("command", [["diagnose", "--candidate", "builtin:native"], ["export", "--out", "{d}/never"],
+                                     ["bench"]])
+def test_a_problem_too_large_for_memory_is_refused_before_it_is_allocated(capsys, tmp_path, command):
+    """100000² batch 2 needs tens of TiB: one line with the need, the free amount and a size that fits."""
+    # without the guard numpy raises MemoryError allocating 74 GiB: a traceback, not one line
+    message = one_line_error(capsys, [a.replace("{d}", str(tmp_path)) for a in command] + ["--size", "100000"])
+    assert "100000×100000" in message and "is free" in message and "fits" in message, message
+    fits = re.search(r"(\d+)×(\d+) fits", message)
+    assert fits and 64 <= int(fits.group(1)) < 100000
+    assert not (tmp_path / "never").exists()
