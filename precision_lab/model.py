@@ -433,3 +433,10 @@ def _load_file(path: Path, given: str) -> Network:
     if "name" not in spec:
         object.__setattr__(network, "name", path.stem)
     return network
+
+
+def from_module(module, input_channels: int | None = None, loss: str = "mse", name: str | None = None) -> Network:
+    """A Network from an nn.Sequential or torch.fx-traceable module (precision_lab.modules.from_module)."""
+    from .modules import from_module as convert  # modules builds on this module: imported when asked
+
+    return convert(module, input_channels, loss, name)
