@@ -38,6 +38,10 @@ FALLBACK_FORMATS = ("float32", "tf32", "float16", "bfloat16")
 #: a format names the errors when its emulated output error is within this factor of the
 #: candidate's: √32, the geometric midpoint between tf32's u = 2⁻¹¹ and bf16's u = 2⁻⁸
 FORMAT_MATCH_FACTOR = math.sqrt(32.0)
+#: two formats that both match in level are told apart by pattern only when their correlations differ by
+#: more than this: a correlation over n elements has a standard error ≤ 1/√n, under 0.02 for n ≥ 2500 (an output
+#: of the smallest probe), so 0.05 is a real difference, not sampling noise
+PATTERN_MARGIN = 0.05
 
 #: below this many elements a single exceedance cannot be told from a broad precision loss
 MIN_ELEMENTS_FOR_OUTLIER_TEST = 8
@@ -186,22 +190,36 @@ def name_format(pairs, reference: Trace, claimed: str, witnesses: list[str]) -> 
     """The coarser format whose emulated error level matches the result's, with the evidence line.
 
     The witness is the forward output when the result has one (a format acts there too),
-    else the gradients beyond the claimed bound (median of their error-level ratios).
+    else the gradients beyond the claimed bound (median of their error-level ratios). Formats
+    that match in level (TF32 and float16 share a 10-bit significand) are told apart by the
+    pattern: the correlation of the result's error with what each format adds to float32's.
     """
     witness = ["output"] if "output" in pairs else witnesses
-    best, best_distance, levels = None, math.inf, []
+    plain = quantity_arrays(emulate(reference, "float32"), reference)
+    matching, levels = [], []
     for fmt in fallbacks(claimed):
         emulated = quantity_arrays(emulate(reference, fmt), reference)
         ratios = [_rms_error(*pairs[w]) / max(_rms_error(*emulated[w]), np.finfo(float).tiny) for w in witness]
         level = float(np.median(ratios))
-        levels.append(f"{fmt} {level:.3g}×")
+        # the pattern reads the gradients too: float16's narrow range shows there first (tiny gradients)
+        shown = list(dict.fromkeys(witness + [w for w in witnesses if w in pairs]))
+        error = np.concatenate([(pairs[w][0] - pairs[w][1]).ravel() for w in shown])
+        added = np.concatenate([(emulated[w][0] - plain[w][0]).ravel() for w in shown])
+        r = _correlation(error, added)
+        levels.append(f"{fmt} {level:.3g}× (pattern r = {r:.2f})")
         distance = abs(math.log(level)) if level > 0 else math.inf
-        if distance < best_distance:
-            best, best_distance = fmt, distance
+        if distance <= math.log(FORMAT_MATCH_FACTOR):
+            matching.append((fmt, distance, r))
     text = f"error level of {'/'.join(witness)} ÷ emulated format: " + ", ".join(levels)
-    if best is None or best_distance > math.log(FORMAT_MATCH_FACTOR):
+    if not matching:
         return None, text + " (no format within a factor √32)"
-    return best, text
+    top = max(matching, key=lambda m: m[2])
+    alike = sorted((m for m in matching if top[2] - m[2] < PATTERN_MARGIN), key=lambda m: FALLBACK_FORMATS.index(m[0]))
+    if len(alike) > 1:
+        # the same rounding of the same operands: the first in FALLBACK_FORMATS (tf32, the silent GPU default) names it
+        return alike[0][0], text + (f" ({' and '.join(m[0] for m in alike)} round these operands alike: none of the "
+                                    f"values leaves their common range, so the pattern cannot tell them apart)")
+    return top[0], text
 
 
 def _is_isolated(q) -> bool:

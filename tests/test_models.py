@@ -193,3 +193,17 @@ def test_a_command_candidate_refuses_another_network(tmp_path):
     candidate = resolve(str(EXAMPLES / "unet.yaml"))
     with pytest.raises(ValueError, match="computes the network 'small-unet'"):
         candidate.compute(make_problem(16, 1, 0))
+
+
+@pytest.mark.parametrize("size, batch", [((62, 68), 2), ((34, 48), 3)])
+def test_tf32_is_named_tf32_where_float16_rounds_the_same_operands_alike(size, batch):
+    """TF32 and float16 share a 10-bit significand: where no value leaves float16's range their emulations
+    agree to the bit and the level cannot choose; the lab names TF32 (the silent GPU default) and says why."""
+    from precision_lab.candidates import get_builtin
+    from precision_lab.diagnose import diagnose
+    from precision_lab.problem import make_problem
+
+    problem = make_problem(size, batch, 0, network=load_model(str(SPECS["unet"])))
+    diagnosis = diagnose(get_builtin("tf32-emulated"), problem, "cpu", probes=[])
+    assert diagnosis.verdict == "reduced-precision" and diagnosis.to_json()["format"] == "tf32"
+    assert any("round these operands alike" in line for line in diagnosis.main.evidence)
