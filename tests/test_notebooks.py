@@ -118,3 +118,24 @@ def test_notebook_ends_in_its_conclusion_drawn_from_its_summary(executed, name):
     printed = "".join(o.get("text", "") for cell in notebook.cells for o in cell.get("outputs", [])
                       if o.get("output_type") == "stream" and o.get("name") == "stdout")
     assert "{'" not in printed  # no dict printed into the page
+
+
+@pytest.mark.slow
+def test_a_spec_network_runs_through_the_optimizer_step_and_the_size_sweep(tmp_path):
+    """params/unet.yaml's network (not the seed's) at quick sizes: its right candidate is roundoff, its
+    planted slips are not, in the notebooks' own summaries."""
+    unet = yaml.safe_load((PARAMS_DIR / "unet.yaml").read_text())
+    for name in ("01-optimizer-step", "03-size-sweep"):
+        source = NOTEBOOKS_DIR / f"{name}.ipynb"
+        declared = papermill.inspect_notebook(str(source))
+        parameters = {k: v for k, v in {**unet, "size": 48, "sizes": [32, 48], "steps": 2,
+                                        "trajectory_size": 32}.items() if k in declared}
+        parameters["run_dir"] = str(tmp_path)
+        papermill.execute_notebook(str(source), str(tmp_path / f"{name}.ipynb"), parameters=parameters,
+                                   kernel_name="precision-lab", progress_bar=False, log_output=False)
+        verdicts = pd.read_csv(tmp_path / name / "summary.csv").set_index("candidate").verdict
+        assert verdicts["native"] == "roundoff", name
+        for slip in ("weight-grad-flip-hw", "relu-mask-missing", "upsample-backward-first-only"):
+            assert verdicts[slip] != "roundoff", (name, slip)
+        context = (tmp_path / f"{name}.ipynb").read_text()
+        assert "small-unet" in context  # the run context names the network it judged
