@@ -207,3 +207,34 @@ def test_tf32_is_named_tf32_where_float16_rounds_the_same_operands_alike(size, b
     diagnosis = diagnose(get_builtin("tf32-emulated"), problem, "cpu", probes=[])
     assert diagnosis.verdict == "reduced-precision" and diagnosis.to_json()["format"] == "tf32"
     assert any("round these operands alike" in line for line in diagnosis.main.evidence)
+
+
+UNSEEN = {
+    # an even kernel at stride 2, a 1×3 bias-free conv, sigmoid into an add skip, avg-pool then a 4× upsample,
+    # and a per-pixel cross-entropy over 4 classes, on 3 input channels
+    "segmenter": ({"name": "segmenter", "input_channels": 3, "loss": "cross_entropy", "layers": [
+        {"name": "a", "op": "conv2d", "in": 3, "out": 6, "kernel": 4, "stride": 2, "padding": 1},
+        {"name": "ra", "op": "leaky_relu", "slope": 0.2},
+        {"name": "b", "op": "conv2d", "in": 6, "out": 6, "kernel": [1, 3], "padding": [0, 1], "bias": False},
+        {"op": "sigmoid"}, {"name": "res", "op": "add", "from": "ra"},
+        {"op": "avg_pool2d", "kernel": 2}, {"op": "upsample_nearest", "scale": 4},
+        {"name": "head", "op": "conv2d", "in": 6, "out": 4, "kernel": 1}]}, (48, 40), 2),
+    # an unpadded stride-2 conv, tanh, an overlapping padded max-pool (most upstream gradients zero), two linears
+    "pooled-mlp": ({"name": "pooled-mlp", "input_channels": 2, "loss": "cross_entropy", "layers": [
+        {"name": "c", "op": "conv2d", "in": 2, "out": 4, "kernel": 3, "stride": 2}, {"op": "tanh"},
+        {"op": "max_pool2d", "kernel": 3, "stride": 2, "padding": 1}, {"op": "flatten"},
+        {"name": "l1", "op": "linear", "in": 64, "out": 16}, {"op": "gelu"},
+        {"name": "l2", "op": "linear", "in": 16, "out": 5, "bias": False}]}, (16, 16), 3),
+}
+
+
+@pytest.mark.parametrize("name", UNSEEN)
+def test_every_zoo_verdict_is_right_on_architectures_the_zoo_was_not_written_for(name):
+    from precision_lab.calibration import judge_zoo
+    from precision_lab.problem import make_problem
+
+    spec, size, batch = UNSEEN[name]
+    table = judge_zoo(make_problem(size, batch, 1, network=parse_spec(spec)), "cpu")
+    assert len(table) >= 24
+    wrong = table[~table["correct"]]
+    assert wrong.empty, wrong[["candidate", "expected", "verdict", "detail", "worst_ratio"]].to_string()
