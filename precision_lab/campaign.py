@@ -72,8 +72,8 @@ MAX_SPEC_BYTES = 1 << 20
 TF32_FAMILY = {"native", "native-tf32", "tf32-emulated"}
 TF32_VARIANT = {("on", "cuda"): "native-tf32", ("on", "cpu"): "tf32-emulated", ("off", "cuda"): "native",
                 ("off", "cpu"): "native"}
-#: columns that differ between two runs of the same cell (excluded when runs are compared)
-VARYING_COLUMNS = ("seconds", "problem_seconds", "diagnose_seconds", "started", "worker")
+#: columns that describe how a run went, not what it found (excluded when two runs are compared)
+VARYING_COLUMNS = ("seconds", "problem_seconds", "diagnose_seconds", "started", "worker", "torch_threads")
 #: at most this many error lines are shown for one kind of spec error (a folder of 500 images …)
 MAX_ERROR_LINES = 12
 
@@ -227,11 +227,12 @@ def load_spec(path: str | Path, out: str | Path | None = None) -> Spec:
     flags = _check_flags(raw.get("flags", [{}]), error)
     candidates = _check_candidates(raw.get("candidates"), base, model, network, error)
     images = _check_images(raw.get("images", ["synthetic"]), base, sizes, error)
-    out_dir = out if out is not None else raw.get("out")
+    out_dir = raw.get("out")
     if out_dir is not None and not isinstance(out_dir, str):
-        error("out", f"expected a folder path, got {out_dir!r}")
+        error("out", f"expected a folder path relative to the spec, got {out_dir!r}")
         out_dir = None
-    out_path = (Path(out_dir) if out is not None else base / out_dir) if out_dir else base / f"{path.stem}-campaign"
+    # --out (relative to where you run) wins over the spec's `out` (relative to the spec)
+    out_path = Path(out) if out is not None else (base / out_dir if out_dir else base / f"{path.stem}-campaign")
     if errors:
         raise CampaignSpecError("\n".join(errors))
     return Spec(path, name, candidates, images, seeds, sizes, batches, flags, probes, device, model, out_path, raw)
@@ -602,7 +603,10 @@ def _diagnose_cell(params: dict) -> tuple[list[dict], dict]:
     quantities = {name: dict(entry, problem="requested") for name, entry in report["forward"].items()}
     quantities.update(report["parameters"])
     worst_name = max(quantities, key=lambda n: quantities[n]["bound_ratio"] or 0.0)
-    cell = {"ran_as": candidate.name, "flags_applied": note or None, "verdict": diagnosis.verdict,
+    expected = params["expected"]
+    if params["kind"] == "builtin" and target != params["target"]:  # a flag chose another build: its own expectation
+        expected = candidate.expected or "roundoff"
+    cell = {"ran_as": candidate.name, "flags_applied": note or None, "expected": expected, "verdict": diagnosis.verdict,
             "claimed_precision": diagnosis.claimed_precision, "decided_by": report["decided_by"], "detail": detail,
             "worst_quantity": worst_name, "worst_bound_ratio": quantities[worst_name]["bound_ratio"],
             "device": str(where), "device_name": info.get("name"),
@@ -752,6 +756,8 @@ def run_campaign(spec: Spec, workers: int = 2, scheduler: str | None = None, thr
                                                          "raw": spec.raw}, indent=1, default=str) + "\n")
     except OSError as exc:
         raise LabInputError(f"{spec.out}: cannot write the campaign folder ({exc.strerror}); choose --out") from None
+    for stale in parts.glob(".*.tmp"):  # a part a killed run was writing: its cell runs again
+        stale.unlink(missing_ok=True)
     done = finished_keys(parts) & {c.key for c in cells}
     if retry_failed:
         done -= failed_keys(parts, done)
