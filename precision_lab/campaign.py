@@ -820,8 +820,9 @@ def _on_dask(cells: list[Cell], workers: int, scheduler: str | None, threads: in
         client = Client(cluster)
         threads = threads or max(1, len(os.sched_getaffinity(0)) // workers)
     else:
-        try:
-            client = Client(scheduler, timeout="20s")
+        try:  # an address (tcp://host:8786) or the file `dask scheduler --scheduler-file` wrote
+            client = (Client(scheduler_file=scheduler, timeout="20s") if scheduler.endswith(".json")
+                      else Client(scheduler, timeout="20s"))
         except (OSError, TimeoutError, ValueError) as exc:
             raise LabInputError(f"--scheduler {scheduler}: cannot reach the Dask scheduler ({exc})") from None
         if threads is None:
@@ -865,7 +866,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--workers", default="2", help="worker processes of the local Dask cluster (default 2; "
                                                       "0 runs the cells in this process, one after another)")
-    where.add_argument("--scheduler", metavar="ADDRESS", help="an existing Dask scheduler (tcp://host:8786) instead")
+    where.add_argument("--scheduler", metavar="ADDRESS", help="an existing Dask scheduler instead: tcp://host:8786 or "
+                                                               "the JSON file of `dask scheduler --scheduler-file`")
     parser.add_argument("--threads", default=None, help="torch threads per cell (default: the cores of a worker's "
                                                         "host ÷ the workers on it)")
     parser.add_argument("--out", default=None, help="results folder (default: the spec's `out`, else "
