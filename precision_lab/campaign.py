@@ -748,7 +748,7 @@ def run_campaign(spec: Spec, workers: int = 2, scheduler: str | None = None, thr
                  progress: bool = True, say=print) -> Outcome:
     """Run every cell of `spec` not finished yet; returns what ran and the consolidated table."""
     clock = time.perf_counter()
-    cells = spec.cells()
+    cells = list({cell.key: cell for cell in spec.cells()}.values())  # `native` and `builtin:native` are one cell
     parts = spec.out / "cells"
     try:
         parts.mkdir(parents=True, exist_ok=True)
@@ -767,9 +767,11 @@ def run_campaign(spec: Spec, workers: int = 2, scheduler: str | None = None, thr
         + (f" now ({len(todo) - len(chosen)} left for later: --max-cells)" if len(chosen) < len(todo) else "")
         + f"; results in {spec.out}")
     failed = 0
-    if chosen:
-        failed = _run_cells(chosen, parts, workers, scheduler, threads, len(cells), len(done), progress, say)
-    table = consolidate(cells, parts, spec.out / "campaign.parquet")
+    try:
+        if chosen:
+            failed = _run_cells(chosen, parts, workers, scheduler, threads, len(cells), len(done), progress, say)
+    finally:  # interrupted too: the table holds every cell finished so far
+        table = consolidate(cells, parts, spec.out / "campaign.parquet")
     outcome = Outcome(len(cells), len(done), len(chosen), failed, len(todo) - len(chosen), table, spec.out,
                       time.perf_counter() - clock)
     if report:
@@ -835,14 +837,14 @@ def _on_dask(cells: list[Cell], workers: int, scheduler: str | None, threads: in
         link = client.dashboard_link if (cluster is None or _has_bokeh()) else None
         say(f"Dask: {len(client.scheduler_info().get('workers', {}))} workers at {client.scheduler.address}; "
             + (f"dashboard {link}" if link else "dashboard off (it needs `pip install bokeh`)"))
-        futures = [client.submit(run_cell, cell.params(), threads, key=f"cell-{cell.key}", pure=False)
-                   for cell in cells]
-        for future in as_completed(futures):
+        futures = {client.submit(run_cell, cell.params(), threads, key=f"cell-{cell.key}", pure=False): cell
+                   for cell in cells}
+        for future in as_completed(list(futures)):
             try:
                 rows = future.result()
             except Exception as exc:  # noqa: BLE001 - a worker that died (memory, a crash) fails its cell only
-                cell = cells[futures.index(future)]
-                rows = [dict(cell.params(), status="failed", error=f"{type(exc).__name__}: {exc}".splitlines()[0])]
+                rows = [dict(futures[future].params(), status="failed",
+                             error=f"{type(exc).__name__}: {exc}".splitlines()[0])]
             record(rows)
             future.release()
     finally:

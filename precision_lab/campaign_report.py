@@ -88,7 +88,7 @@ def conclusion(table: pd.DataFrame) -> Conclusion:
     findings = []
     for candidate, p in s["per"].items():
         if not p["ok"]:
-            findings.append(Finding(candidate, "defect", f"all {p['cells']} cells failed (see the failed cells)"))
+            findings.append(Finding(candidate, "failed", f"all {p['cells']} cells failed (see the failed cells)"))
             continue
         spread = ", ".join(f"{v} in {_count(n, p['ok'])}" for v, n in p["counts"].items() if n)
         measurements = [Measurement("largest worst-quantity error ÷ bound", tables.format_number(p["max_ratio"]),
