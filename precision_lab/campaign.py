@@ -225,7 +225,7 @@ def load_spec(path: str | Path, out: str | Path | None = None) -> Spec:
     batches = _check_ints(raw.get("batch", [2]), "batch", 1, "a positive integer", error)
     sizes = _check_sizes(raw.get("sizes", [1024]), network, error)
     flags = _check_flags(raw.get("flags", [{}]), error)
-    candidates = _check_candidates(raw.get("candidates"), base, model, network, error)
+    candidates = _check_candidates(raw.get("candidates"), base, model, network, sizes, error)
     images = _check_images(raw.get("images", ["synthetic"]), base, sizes, error)
     out_dir = raw.get("out")
     if out_dir is not None and not isinstance(out_dir, str):
@@ -336,7 +336,7 @@ def _check_flags(value, error) -> list[tuple[tuple[str, str], ...]]:
     return list(dict.fromkeys(sets))
 
 
-def _check_candidates(value, base: Path, model, network, error) -> list[CandidateEntry]:
+def _check_candidates(value, base: Path, model, network, sizes, error) -> list[CandidateEntry]:
     from .verdict import VERDICTS
 
     if not isinstance(value, list) or not value:
@@ -359,7 +359,7 @@ def _check_candidates(value, base: Path, model, network, error) -> list[Candidat
             error(key, f"expected a built-in name, a candidate YAML path or a bundle folder, got {item!r}")
             continue
         try:
-            entry = _candidate_entry(item, base, expect, model, network)
+            entry = _candidate_entry(item, base, expect, model, network, sizes)
         except LabInputError as exc:
             error(key, str(exc))
             continue
@@ -370,7 +370,7 @@ def _check_candidates(value, base: Path, model, network, error) -> list[Candidat
     return entries
 
 
-def _candidate_entry(written: str, base: Path, expect, model, network) -> CandidateEntry:
+def _candidate_entry(written: str, base: Path, expect, model, network, sizes=()) -> CandidateEntry:
     from .candidates import resolve
     from .candidates.opaque import OpaqueCandidate
 
@@ -397,6 +397,15 @@ def _candidate_entry(written: str, base: Path, expect, model, network) -> Candid
         own = getattr(candidate, "network", None)
         if model is not None and own is not None and own.spec != network.spec:
             raise LabInputError(f"{written} names its own model {own.name!r}; drop the spec's `model` or this candidate")
+        if own is not None and kind == "command":  # its own network must take every size of the grid
+            from .model import ModelSpecError
+
+            for height, width in sizes:
+                try:
+                    own.check_size(height, width)
+                except ModelSpecError as exc:
+                    raise LabInputError(f"{written}: its model does not take size {height}×{width} ({exc}); "
+                                        f"change `sizes` or list it in another campaign") from None
     return CandidateEntry(written, target, candidate.name, kind, candidate.family, expected,
                           candidate_sha256(target, kind))
 
@@ -610,7 +619,8 @@ def _diagnose_cell(params: dict) -> tuple[list[dict], dict]:
             "claimed_precision": diagnosis.claimed_precision, "decided_by": report["decided_by"], "detail": detail,
             "worst_quantity": worst_name, "worst_bound_ratio": quantities[worst_name]["bound_ratio"],
             "device": str(where), "device_name": info.get("name"),
-            "height": problem.height, "width": problem.width, "batch": problem.batch, "seed": problem.seed,
+            "height": problem.height, "width": problem.width, "batch": problem.batch,
+            "seed": problem.seed if problem.seed >= 0 else None,  # a static bundle does not know its seed (−1)
             "command": reproduce_command(params, target)}
     rows = []
     for name, q in quantities.items():

@@ -236,3 +236,19 @@ def test_wilson_interval_matches_the_closed_form():
     assert wilson_interval(0, 6)[0] == 0.0 and wilson_interval(0, 6)[1] == pytest.approx(0.3903, abs=1e-4)
     low, high = wilson_interval(5, 10)
     assert (low, high) == (pytest.approx(0.2366, abs=1e-4), pytest.approx(0.7634, abs=1e-4))
+
+
+def test_a_static_bundle_is_one_cell_whatever_the_grid(tmp_path):
+    from precision_lab.bundle import write_static
+    from precision_lab.candidates import registry
+    from precision_lab.problem import make_problem
+
+    problem = make_problem(32, 2, 5)
+    write_static(problem, registry()["fortran-replay-flip"].compute(problem), tmp_path / "replay", "float32", "HWIO")
+    spec_file = _spec(tmp_path, "candidates: [{candidate: replay, expect: layout}]\nseeds: [0, 1]\nsizes: [48, 64]\n"
+                                "flags: [{tf32: off}, {tf32: on}]\nprobes: none\ndevice: cpu\n")
+    outcome = campaign.run_campaign(campaign.load_spec(spec_file), workers=0, report=False, progress=False, say=_quiet)
+    cells = outcome.table.drop_duplicates("key")
+    assert len(cells) == 1 and cells.verdict.iloc[0] == "layout" and cells.detail.iloc[0] == "flip HW"
+    assert (cells.height.iloc[0], cells.batch.iloc[0]) == (32, 2) and pd.isna(cells.seed.iloc[0])  # its own problem
+    assert cells.command.iloc[0].startswith("precision-lab diagnose --bundle ")
