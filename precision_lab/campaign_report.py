@@ -128,7 +128,7 @@ def rates_table(table: pd.DataFrame) -> pd.DataFrame:
 def verdicts_against(table: pd.DataFrame, by: str) -> pd.DataFrame:
     """Verdict counts per candidate and `by` (image_size or image_label), as words."""
     cells = cells_of(table)
-    cells = cells.assign(image_size=cells.height.astype("Int64").astype(str) + "×" + cells.width.astype("Int64").astype(str),
+    cells = cells.assign(image_size=_sizes(cells),
                          outcome=cells.verdict.where(cells.status == "ok", "failed"))
     rows = []
     for (candidate, value), group in cells.groupby(["candidate", by], sort=False):
@@ -147,7 +147,7 @@ def worst_cells(table: pd.DataFrame, shown: int = WORST_SHOWN, per_candidate: in
     cells = cells.sort_values(["disagrees", "worst_bound_ratio"], ascending=[False, False])
     rank = cells.groupby("candidate", sort=False).cumcount()
     cells = cells[cells.disagrees | (rank < per_candidate)].head(shown)
-    cells["image_size"] = cells.height.astype(str) + "×" + cells.width.astype(str)
+    cells["image_size"] = _sizes(cells)
     return cells[["candidate", "image_label", "seed", "image_size", "batch", "flags", "verdict", "expected",
                   "worst_quantity", "worst_bound_ratio", "command"]]
 
@@ -227,44 +227,56 @@ def size_figure(table: pd.DataFrame):
 # the page
 
 
+def _sizes(frame: pd.DataFrame) -> pd.Series:
+    return frame.height.astype("Int64").astype(str) + "×" + frame.width.astype("Int64").astype(str)
+
+
+def _context_rows(spec, cells: pd.DataFrame) -> list[tuple[str, str]]:
+    ok = cells[cells.status == "ok"]
+    grid = len({cell.key for cell in spec.cells()})
+    versions = ", ".join(f"{name} {cells[col].dropna().iloc[0]}" for name, col in
+                         (("precision-lab", "precision_lab_version"), ("torch", "torch_version"),
+                          ("numpy", "numpy_version")) if col in cells and cells[col].notna().any())
+    devices = sorted({f"{d} ({n})" for d, n in zip(ok.device, ok.device_name.fillna("?"))})
+    time_text = (f"{tables.format_number(ok.seconds.sum())} s in all, median {tables.format_number(ok.seconds.median())} s"
+                 if len(ok) else "—")
+    return [("campaign", spec.name), ("spec", str(spec.path)),
+            ("cells", f"{len(cells)} of {grid} finished ({int((cells.status == 'failed').sum())} failed)"),
+            ("devices", ", ".join(devices) or "—"), ("probes", spec.probes), ("packages", versions or "—"),
+            ("cell time", time_text), ("written", dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))]
+
+
+def _false_alarms(table: pd.DataFrame) -> str:
+    s = summary(table)
+    if not s["legit_cells"]:
+        return "<p>No legitimate candidate in this campaign (give one `expect: roundoff`).</p>"
+    low, high = s["false_alarm_interval"]
+    return (f"<p>{tables.escape(_count(s['false_alarms'], s['legit_cells']))} cells of legitimate candidates got a "
+            f"verdict other than roundoff; 95% Wilson interval {tables.format_percent(low)}–"
+            f"{tables.format_percent(high)}.</p>")
+
+
 def report_html(spec, table: pd.DataFrame) -> str:
     cells = cells_of(table)
     concl = conclusion(table) if len(cells) else Conclusion("campaign", "No cell has finished yet.")
-    ok = cells[cells.status == "ok"]
-    versions = ", ".join(f"{name} {cells[col].dropna().iloc[0]}" for name, col in
-                         (("precision-lab", "precision_lab_version"), ("torch", "torch_version"),
-                          ("numpy", "numpy_version")) if cells[col].notna().any()) if len(cells) else "—"
-    context = [("campaign", spec.name), ("spec", str(spec.path)), ("cells", f"{len(cells)} of {len(spec.cells())} finished"
-                                                                      f" ({int((cells.status == 'failed').sum())} failed)"),
-               ("devices", ", ".join(sorted(set(f"{d} ({n})" for d, n in zip(ok.device, ok.device_name.fillna("?")))))
-                or "—"),
-               ("probes", spec.probes), ("packages", versions),
-               ("cell time", f"{tables.format_number(ok.seconds.sum())} s in all, median "
-                             f"{tables.format_number(ok.seconds.median())} s" if len(ok) else "—"),
-               ("written", dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))]
-    parts = [concl.html(), "<h2>Run context</h2>", tables.definition_table(context, "run-context")]
-    if len(ok):
-        s = summary(table)
-        low, high = s["false_alarm_interval"]
+    parts = [concl.html(), "<h2>Run context</h2>", tables.definition_table(_context_rows(spec, cells), "run-context")]
+    if (cells.status == "ok").any():
         parts += ["<h2>Verdict rates per candidate</h2>",
                   tables.table_html(rates_table(table), labels=LABELS, table_id="rates"),
-                  "<h2>False alarms of legitimate candidates</h2>",
-                  f'<p>{tables.escape(_count(s["false_alarms"], s["legit_cells"]) if s["legit_cells"] else "no legitimate candidate in this campaign")}'
-                  f' cells of legitimate candidates got a verdict other than roundoff'
-                  + (f'; 95% Wilson interval {tables.format_percent(low)}–{tables.format_percent(high)}.' if s["legit_cells"] else ".")
-                  + "</p>",
+                  "<h2>False alarms of legitimate candidates</h2>", _false_alarms(table),
                   "<h2>Error ÷ bound per quantity</h2>", plots.CaptionedFigure(ratio_figure(table)).body,
                   "<h2>Verdicts against image size</h2>", plots.CaptionedFigure(size_figure(table)).body,
                   tables.table_html(verdicts_against(table, "image_size"), labels=LABELS, table_id="by-size"),
                   "<h2>Verdicts against image</h2>",
                   tables.table_html(verdicts_against(table, "image_label"), labels=LABELS, table_id="by-image"),
                   "<h2>Worst cells</h2>",
-                  '<p class="lab-note">Cells that disagree with their expected verdict first, then each candidate\'s '
-                  f'{WORST_PER_CANDIDATE} worst by error ÷ bound; each command repeats the cell with <code>precision-lab diagnose</code>.</p>',
+                  f'<p class="lab-note">Cells that disagree with their expected verdict first, then each '
+                  f"candidate's {WORST_PER_CANDIDATE} worst by error ÷ bound; each command repeats the cell with "
+                  f"<code>precision-lab diagnose</code>.</p>",
                   tables.table_html(worst_cells(table), labels=LABELS, table_id="worst-cells")]
     failed = cells[cells.status == "failed"]
     if len(failed):
-        shown = failed.assign(image_size=failed.height.astype("Int64").astype(str) + "×" + failed.width.astype("Int64").astype(str))
+        shown = failed.assign(image_size=_sizes(failed))
         parts += ["<h2>Failed cells</h2>",
                   tables.table_html(shown[["candidate", "image_label", "seed", "image_size", "flags", "error"]],
                                     labels=LABELS, table_id="failed-cells")]
