@@ -2,7 +2,7 @@
 
     precision-lab diagnose --candidate builtin:NAME | NAME | FILE.yaml
     precision-lab diagnose --bundle DIR            (a static bundle carries its own problem)
-        [--size N|HxW] [--batch B] [--seed K] [--model SPEC] [--device D] [--probes none|default|LIST]
+        [--size N|HxW] [--batch B] [--seed K] [--image FILE] [--model SPEC] [--device D] [--probes none|default|LIST]
         [--repeats K] [--json OUT] [--html OUT]
 
 Prints the verdict with its evidence; exit 0 for ``roundoff`` (of the problem and every probe),
@@ -43,6 +43,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                                      f"the network takes; bundles bring their own)")
     parser.add_argument("--batch", default=None, help=f"batch size (default {DEFAULT_BATCH})")
     parser.add_argument("--seed", default=None, help=f"problem seed (default {DEFAULT_SEED})")
+    parser.add_argument("--image", default=None, metavar="FILE",
+                        help="a real micrograph (.npy or .mrc) instead of synthetic ones: each sample a centre crop")
     parser.add_argument("--model", default=None, help="model spec (JSON/YAML file or 'seed') for built-in candidates; "
                                                       "a candidate YAML names its own")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
@@ -128,7 +130,7 @@ class Diagnosis:
 
 
 def candidate_and_problem(candidate_spec: str | None, bundle: str | None, size=None, batch=None, seed=None,
-                          model=None, device=None) -> tuple[Candidate, Problem]:
+                          model=None, image=None, device=None) -> tuple[Candidate, Problem]:
     """Resolve the candidate and the problem it is judged on (a static bundle's own, else one made here).
 
     With `device`, a problem too large for the memory free there is refused before it is allocated."""
@@ -136,8 +138,8 @@ def candidate_and_problem(candidate_spec: str | None, bundle: str | None, size=N
         if not Path(bundle).is_dir():
             raise LabInputError(f"{bundle}: --bundle expects a directory holding bundle.json and arrays.npz")
         candidate = resolve(str(bundle))
-        if size is not None or batch is not None or seed is not None or model is not None:
-            print(f"note: {bundle} carries its own problem; --size/--batch/--seed/--model are ignored", file=sys.stderr)
+        if size is not None or batch is not None or seed is not None or model is not None or image is not None:
+            print(f"note: {bundle} carries its own problem; --size/--batch/--seed/--image/--model are ignored", file=sys.stderr)
         return candidate, candidate.problem
     candidate = resolve(candidate_spec)
     own = getattr(candidate, "problem", None)
@@ -159,7 +161,7 @@ def candidate_and_problem(candidate_spec: str | None, bundle: str | None, size=N
         resources.check_fits(network, batch if batch is not None else DEFAULT_BATCH, height, width,
                              resolve_device(str(device)))
     problem = make_problem((height, width), batch if batch is not None else DEFAULT_BATCH,
-                           seed if seed is not None else DEFAULT_SEED, network=network)
+                           seed if seed is not None else DEFAULT_SEED, image=image, network=network)
     if not candidate.applies_to(network):
         raise LabInputError(f"candidate {candidate.name} does not apply to the network {network.name!r} "
                             f"({candidate.description})")
@@ -278,7 +280,8 @@ def main(args: argparse.Namespace) -> int:
     repeats = options.positive(args.repeats, "--repeats")
     chosen = probe_set.select(args.probes)
     where = resolve_device(args.device)  # a bad --device fails before anything runs
-    candidate, problem = candidate_and_problem(args.candidate, args.bundle, size, batch, seed, args.model, where)
+    candidate, problem = candidate_and_problem(args.candidate, args.bundle, size, batch, seed, args.model,
+                                               args.image, where)
     diagnosis = diagnose(candidate, problem, args.device, chosen, repeats, progress=sys.stderr.isatty())
     print(f"problem: {problem.size_text}, batch {problem.batch}, seed {problem.seed}, {problem.source}, "
           f"network {problem.network.name}")
