@@ -893,9 +893,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import importlib.util
+
     from . import options
 
     workers = options.nonnegative(args.workers, "--workers")
+    needed = ("pyarrow",) if workers == 0 and not args.scheduler else ("distributed", "pyarrow")  # 0: in-process
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise LabInputError(f"campaign needs {' and '.join(missing)}: `make setup` installs them, or "
+                            f"pip install 'dask[distributed]' pyarrow")
     threads = options.positive(args.threads, "--threads")
     max_cells = options.nonnegative(args.max_cells, "--max-cells")
     spec = load_spec(args.spec, args.out)
