@@ -135,6 +135,7 @@ def layout_advice(name: str, buffer: GradBuffer, held: str, flipped: tuple[str, 
 
 def layouts(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
     """Name the layout of every weight gradient beyond its bound that some transform fixes."""
+    found = {}  # name → (buffer, fits, ndim)
     for name, q in judgement.quantities.items():
         if q.verdict == "roundoff" or not math.isfinite(q.bound_ratio) or not name.endswith(".weight"):
             continue
@@ -150,8 +151,15 @@ def layouts(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
         q.verdict, q.layout_fix = "layout", names[0]
         judgement.layout_options[name] = names
         q.evidence = f"matches within the bound after: {', '.join(names[:4])}"
-        if judgement.layout_advice is None:
-            judgement.layout_advice = layout_advice(name, buffer, fits[0][0], fits[0][1], ref.ndim)
+        found[name] = (buffer, fits, ref.ndim)
+    if found and judgement.layout_advice is None:
+        # one fix for every slipped buffer: the first transform all of them admit (verdict.overall names the
+        # same), told for the buffer it fits most plainly (one input channel makes OHWI and OHIW the same bytes)
+        first = next(iter(found.values()))[1]
+        common = [fit for fit in first if all(fit in fits for _, fits, _ in found.values())] or first[:1]
+        name = min((n for n in found if common[0] in found[n][1]), key=lambda n: len(found[n][1]))
+        buffer, _, ndim = found[name]
+        judgement.layout_advice = layout_advice(name, buffer, common[0][0], common[0][1], ndim)
 
 
 # ---------------------------------------------------------------------------------------------
