@@ -175,8 +175,13 @@ def boundary_rows(cases_iter, device) -> list[dict]:
     return list(rows.values())
 
 
+#: `--candidates`: the legitimate orders judged (None: all that apply)
+CHOSEN: list[str] | None = None
+
+
 def legitimate_names(network) -> list[str]:
-    return [c.name for c in registry().values() if c.family == "legitimate" and c.applies_to(network)]
+    return [c.name for c in registry().values() if c.family == "legitimate" and c.applies_to(network)
+            and (CHOSEN is None or c.name in CHOSEN)]
 
 
 def false_alarm_rows(batch: int, seeds: int, device) -> tuple[list[dict], dict]:
@@ -278,6 +283,7 @@ def main(argv=None) -> None:
                         help="seeds for the legitimate orders at --size (default 2; --quick: 1)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated among {', '.join(PARTS)}")
     parser.add_argument("--quick", action="store_true", help="256², 20 seeds per probe, one large seed")
+    parser.add_argument("--candidates", help="false-alarms and large: only these legitimate orders (comma-separated)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", help="write the markdown here (default: stdout only)")
     args = parser.parse_args(argv)
@@ -288,6 +294,12 @@ def main(argv=None) -> None:
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         parser.error(f"--parts: unknown {', '.join(unknown)}; choose among {', '.join(PARTS)}")
+    if args.candidates:
+        global CHOSEN
+        CHOSEN = [name.strip() for name in args.candidates.split(",")]
+        unknown = [n for n in CHOSEN if n not in registry() or registry()[n].family != "legitimate"]
+        if unknown:
+            parser.error(f"--candidates: not legitimate orders of the zoo: {', '.join(unknown)}")
     device = resolve_device(args.device)
     torch.manual_seed(0)
     size_text = "×".join(str(s) for s in parse_size(args.size))

@@ -178,3 +178,17 @@ def test_fingerprint_names_tf32_claimed_as_float32(probe_problem):
     inside = [q for q in judgement.quantities.values() if q.format == "tf32" and q.bound_ratio <= 1.0]
     assert inside and all("inside the float32 bound" in q.evidence and "legitimate float32 orders reach" in q.evidence
                           for q in inside)
+
+
+def test_fingerprint_null_of_a_tf32_claim_holds_tf32_itself():
+    # measured false alarm (benchmarks/sensitivity.py, probe odd-33x47-batch3, seed 36): honest TF32 read as
+    # bfloat16 at r = 0.961 with float32 orders alone in the null, since both formats flip the same ReLU
+    problem = make_problem((33, 47), 3, seed=36)
+    trace = reference(problem)
+    honest = judge(registry()["tf32-claimed"].compute(problem), trace, "tf32", "tf32-claimed", fingerprint=True)
+    assert honest.verdict == "roundoff" and honest.format is None
+    bf16 = [row for row in honest.fingerprint if row["format"] == "bfloat16" and row["quantity"] == "conv2.weight"]
+    assert max(row["correlation"] for row in bf16) > 0.9  # the shared flip is still there ...
+    assert all(row["null"] >= row["correlation"] - 1e-12 for row in bf16)  # ... and the null holds it
+    coarser = judge(registry()["bf16-emulated"].compute(problem), trace, "tf32", "bf16", fingerprint=True)
+    assert coarser.verdict == "reduced-precision" and coarser.format == "bfloat16"
