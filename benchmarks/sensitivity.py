@@ -17,6 +17,8 @@ What a diagnosis (`precision-lab diagnose`, default probes) says about
 3. `false-alarms`: every legitimate order of the zoo judged on `--seeds` seeds at each default probe's
    own size, batch and targets; the non-roundoff verdicts counted per candidate and probe.
 4. `large`: every legitimate order on the requested problem (`--size`) for `--large-seeds` seeds.
+5. `zoo` (only when asked): the whole zoo's confusion matrix at `--zoo-size` (default 128), judged on that
+   problem alone, as before probes existed.
 
 A diagnosis of an in-process candidate is its judgement on the requested problem and on each probe,
 the worst counting (precision_lab.diagnose). This script builds each problem's float64 reference and
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 
 from precision_lab import probes as probe_set
-from precision_lab.calibration import judge_zoo
+from precision_lab.calibration import confusion_matrix, judge_zoo
 from precision_lab.candidates import registry
 from precision_lab.candidates.zoo import _edge_skipped, _Slipped
 from precision_lab.compute import Result, forward_backward
@@ -53,7 +55,8 @@ TARGETS = {"largest": 1e-3, "median": 1e-2}
 LEVELS = tuple(10.0 ** (e / 4) for e in range(-24, 1))
 #: a tile of a GPU kernel's output (16×16 threads), placed one tile in from the corner so every probe has it
 TILE = (16, 32)
-PARTS = ("slips", "boundary", "false-alarms", "large")
+PARTS = ("slips", "boundary", "false-alarms", "large", "zoo")
+DEFAULT_PARTS = PARTS[:4]
 
 
 @dataclass
@@ -231,6 +234,11 @@ def _pct(value: float | None) -> str:
     return f"{value * 100:.3g}%"
 
 
+def _matrix_lines(matrix) -> list[str]:
+    return (["| expected \\ given | " + " | ".join(matrix.columns) + " |", "|---" * (len(matrix.columns) + 1) + "|"]
+            + [f"| {name} | " + " | ".join(str(int(v)) for v in row) + " |" for name, row in matrix.iterrows()])
+
+
 def markdown(args, size_text: str, figures: dict) -> str:
     lines = [f"Measured by `{' '.join(['python', 'benchmarks/sensitivity.py'] + sys.argv[1:])}` "
              f"(requested problem {size_text}, batch {args.batch}, seed {args.seed}; probes "
@@ -270,6 +278,14 @@ def markdown(args, size_text: str, figures: dict) -> str:
         for row in figures["large"]:
             lines.append(f"| {row['candidate']} | {row['seeds']} | {row['not_roundoff']} | {row['worst_ratio']:.3g} |")
         lines.append("")
+    if "zoo" in figures:
+        table = figures["zoo"]
+        lines += [f"**The zoo at {args.zoo_size}²** (requested problem only): {int(table.correct.sum())} of {len(table)} "
+                  "candidates in their class, naming the expected transform or format; rows expected, columns given:",
+                  "", *_matrix_lines(confusion_matrix(table)), ""]
+        wrong = table[~table.correct]
+        lines += [f"- {row.candidate}: expected {row.expected} {row.expected_detail or ''}, given {row.verdict} "
+                  f"{row.detail or ''}" for row in wrong.itertuples()] + ([""] if len(wrong) else [])
     return "\n".join(lines)
 
 
@@ -281,7 +297,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", type=int, default=None, help="seeds per probe for false alarms (default 100; --quick: 20)")
     parser.add_argument("--large-seeds", type=int, default=None,
                         help="seeds for the legitimate orders at --size (default 2; --quick: 1)")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated among {', '.join(PARTS)}")
+    parser.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                        help=f"comma-separated among {', '.join(PARTS)} (default {','.join(DEFAULT_PARTS)})")
+    parser.add_argument("--zoo-size", default="128", help="image size of the zoo's confusion matrix (default 128)")
     parser.add_argument("--quick", action="store_true", help="256², 20 seeds per probe, one large seed")
     parser.add_argument("--candidates", help="false-alarms and large: only these legitimate orders (comma-separated)")
     parser.add_argument("--device", default="cpu")
@@ -317,6 +335,10 @@ def main(argv=None) -> None:
     if "large" in parts:
         print(f"legitimate orders at {size_text}…", file=sys.stderr)
         figures["large"] = large_rows(args.size, args.batch, args.large_seeds, device)
+    if "zoo" in parts:
+        print(f"the zoo at {args.zoo_size}…", file=sys.stderr)
+        table = judge_zoo(make_problem(args.zoo_size, args.batch, args.seed), device)
+        figures["zoo"] = table
     text = markdown(args, size_text, figures) + f"\n({time.time() - started:.0f} s in all)\n"
     print(text)
     if args.out:
