@@ -192,3 +192,24 @@ def test_fingerprint_null_of_a_tf32_claim_holds_tf32_itself():
     assert all(row["null"] >= row["correlation"] - 1e-12 for row in bf16)  # ... and the null holds it
     coarser = judge(registry()["bf16-emulated"].compute(problem), trace, "tf32", "bf16", fingerprint=True)
     assert coarser.verdict == "reduced-precision" and coarser.format == "bfloat16"
+
+
+def test_defect_doctor_names_a_skipped_interior_tile():
+    # a weight-gradient kernel that never adds one 16×16 tile of conv2's upstream gradient (rows, columns 16–31)
+    from precision_lab.candidates.zoo import _Slipped
+    from precision_lab.compute import forward_backward
+    from precision_lab.ops import OPS
+
+    def tile_skipped(op, attrs, g, xs, y, params, kernels, need):
+        grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
+        clipped = g.clone()
+        clipped[:, :, 16:32, 16:32] = 0
+        param_grads["weight"] = kernels.conv_weight_grad(xs[0], clipped, attrs, tuple(params["weight"].shape))
+        return grads, param_grads
+
+    problem = make_problem((61, 67), 2, seed=0)  # the odd-61x67 probe's problem
+    result = forward_backward(problem, "float32", rules={2: _Slipped(OPS["conv2d"], tile_skipped)})
+    judgement = judge(result, reference(problem), "float32", "tile-skipped")
+    assert judgement.verdict == "defect" and judgement.quantities["conv2.weight"].verdict == "defect"
+    assert judgement.cause == "conv2: the 16×16 tile at rows 16–31, columns 16–31 of its upstream gradient skipped"
+    assert judgement.quantities["conv2.bias"].verdict == "roundoff"  # the bias sum kept the tile
