@@ -31,6 +31,7 @@ slip is caught by at least one problem, the smallest ε caught overall is the sm
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -189,7 +190,7 @@ def legitimate_names(network) -> list[str]:
 
 def false_alarm_rows(batch: int, seeds: int, device) -> tuple[list[dict], dict]:
     """Every legitimate order at each default probe's problem on `seeds` seeds: non-roundoff verdicts counted."""
-    counts, worst, problems_text = {}, {}, {}
+    counts, worst, problems_text, fingerprint = {}, {}, {}, {}
     names = legitimate_names(make_problem(8, 1, 0).network)
     start = time.time()
     for seed in range(seeds):  # seeds outermost: a run stopped early still covers every probe alike
@@ -202,13 +203,18 @@ def false_alarm_rows(batch: int, seeds: int, device) -> tuple[list[dict], dict]:
                 key = (row.candidate, probe.name)
                 counts[key] = counts.get(key, 0) + int(row.verdict != "roundoff")
                 worst[key] = max(worst.get(key, 0.0), float(row.worst_ratio))
+                if row.fingerprint_max == row.fingerprint_max:  # computed (not NaN)
+                    best, margin = fingerprint.get(row.candidate, (-1.0, math.inf))
+                    fingerprint[row.candidate] = (max(best, float(row.fingerprint_max)),
+                                                  min(margin, float(row.fingerprint_margin)))
                 if row.verdict != "roundoff":
                     print(f"  FALSE ALARM: {row.candidate} on {probe.name}, seed {seed}: {row.verdict} "
                           f"({row.detail or row.cause}, worst error ÷ bound {row.worst_ratio:.3g})", file=sys.stderr)
         print(f"  false alarms: seeds 0…{seed} done, {sum(counts.values())} non-roundoff verdicts, "
               f"{time.time() - start:.0f} s", file=sys.stderr, flush=True)
     rows = [{"candidate": name, **{f"{p.name}": counts[(name, p.name)] for p in probe_set.DEFAULT_PROBES},
-             "worst_ratio": max(worst[(name, p.name)] for p in probe_set.DEFAULT_PROBES)} for name in names]
+             "worst_ratio": max(worst[(name, p.name)] for p in probe_set.DEFAULT_PROBES),
+             "fingerprint_max": fingerprint.get(name)} for name in names]
     return rows, problems_text
 
 
@@ -266,10 +272,11 @@ def markdown(args, size_text: str, figures: dict) -> str:
         lines += [f"**False alarms**: legitimate orders, {args.seeds} seeds (0…{args.seeds - 1}) at each probe's "
                   "problem; the count of verdicts other than `roundoff`:", "",
                   "| candidate | " + " | ".join(f"{name} ({text})" for name, text in problems_text.items())
-                  + " | worst error ÷ bound |", "|---" * (len(problems_text) + 2) + "|"]
+                  + " | worst error ÷ bound | fingerprint: largest r; least threshold − r |", "|---" * (len(problems_text) + 3) + "|"]
         for row in rows:
+            corr = "–" if row["fingerprint_max"] is None else "{:.3f}; {:.3f}".format(*row["fingerprint_max"])
             lines.append(f"| {row['candidate']} | " + " | ".join(f"{row[name]}/{args.seeds}" for name in problems_text)
-                         + f" | {row['worst_ratio']:.3g} |")
+                         + f" | {row['worst_ratio']:.3g} | {corr} |")
         lines.append("")
     if "large" in figures:
         lines += [f"**Legitimate orders at {size_text}**, batch {args.batch}, seeds 0…{args.large_seeds - 1} "
