@@ -87,7 +87,10 @@ def each_case(size, batch: int, seed: int, device):
 def rank_index(grad: np.ndarray, rank: str) -> tuple[int, ...]:
     """The element of largest |g|, or of median |g| (the middle of the sorted magnitudes)."""
     magnitude = np.abs(grad).ravel()
-    flat = int(np.argmax(magnitude)) if rank == "largest" else int(np.argsort(magnitude, kind="stable")[magnitude.size // 2])
+    if rank == "largest":
+        flat = int(np.argmax(magnitude))
+    else:
+        flat = int(np.argsort(magnitude, kind="stable")[magnitude.size // 2])
     return tuple(int(i) for i in np.unravel_index(flat, grad.shape))
 
 
@@ -272,7 +275,8 @@ def markdown(args, size_text: str, figures: dict) -> str:
         lines += [f"**False alarms**: legitimate orders, {args.seeds} seeds (0…{args.seeds - 1}) at each probe's "
                   "problem; the count of verdicts other than `roundoff`:", "",
                   "| candidate | " + " | ".join(f"{name} ({text})" for name, text in problems_text.items())
-                  + " | worst error ÷ bound | fingerprint: largest r; least threshold − r |", "|---" * (len(problems_text) + 3) + "|"]
+                  + " | worst error ÷ bound | fingerprint: largest r; least threshold − r |",
+                  "|---" * (len(problems_text) + 3) + "|"]
         for row in rows:
             corr = "–" if row["fingerprint_max"] is None else "{:.3f}; {:.3f}".format(*row["fingerprint_max"])
             lines.append(f"| {row['candidate']} | " + " | ".join(f"{row[name]}/{args.seeds}" for name in problems_text)
@@ -280,14 +284,16 @@ def markdown(args, size_text: str, figures: dict) -> str:
         lines.append("")
     if "large" in figures:
         lines += [f"**Legitimate orders at {size_text}**, batch {args.batch}, seeds 0…{args.large_seeds - 1} "
-                  "(the requested problem's judgement):", "", "| candidate | seeds | not roundoff | worst error ÷ bound |",
+                  "(the requested problem's judgement):", "",
+                  "| candidate | seeds | not roundoff | worst error ÷ bound |",
                   "|---|---|---|---|"]
         for row in figures["large"]:
             lines.append(f"| {row['candidate']} | {row['seeds']} | {row['not_roundoff']} | {row['worst_ratio']:.3g} |")
         lines.append("")
     if "zoo" in figures:
         table = figures["zoo"]
-        lines += [f"**The zoo at {args.zoo_size}²** (requested problem only): {int(table.correct.sum())} of {len(table)} "
+        lines += [f"**The zoo at {args.zoo_size}²** (requested problem only): "
+                  f"{int(table.correct.sum())} of {len(table)} "
                   "candidates in their class, naming the expected transform or format; rows expected, columns given:",
                   "", *_matrix_lines(confusion_matrix(table)), ""]
         wrong = table[~table.correct]
@@ -301,7 +307,8 @@ def main(argv=None) -> None:
     parser.add_argument("--size", default=None, help="requested problem N or HxW (default 1024; --quick: 256)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seeds", type=int, default=None, help="seeds per probe for false alarms (default 100; --quick: 20)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="seeds per probe for false alarms (default 100; --quick: 20)")
     parser.add_argument("--large-seeds", type=int, default=None,
                         help="seeds for the legitimate orders at --size (default 2; --quick: 1)")
     parser.add_argument("--parts", default=",".join(DEFAULT_PARTS),

@@ -475,8 +475,8 @@ def _local_weight_hypotheses(reference: Trace, failing):
                 if len(rows) * len(cols) <= MAX_TILE_POSITIONS:
                     for r0, c0 in itertools.product(rows, cols):
                         if (r0, c0) != (0, 0):
-                            edges[f"{tile}×{tile} tile at rows {r0}–{r0 + tile - 1}, columns {c0}–{c0 + tile - 1}"] = \
-                                (slice(None), slice(None), slice(r0, r0 + tile), slice(c0, c0 + tile))
+                            label = f"{tile}×{tile} tile at rows {r0}–{r0 + tile - 1}, columns {c0}–{c0 + tile - 1}"
+                            edges[label] = (slice(None), slice(None), slice(r0, r0 + tile), slice(c0, c0 + tile))
         for text, region in edges.items():
             masked = g.clone()
             masked[region] = 0
