@@ -335,8 +335,8 @@ def _fingerprint(judgement, pairs, reference: Trace) -> None:
 STORED_SLACK = 2 * formats.UNIT_ROUNDOFF["float32"]
 
 
-#: aligned tiles tried per tile size at most: 64 float64 weight-gradient convolutions, about 0.2 s at a probe's
-#: size (61×67, batch 2) on 2 cores; larger images keep the corner tiles only
+#: aligned tiles tried per tile size at most: 64 float64 weight-gradient convolutions take 0.7 s at a probe's size
+#: (61×67, batch 2, conv2; measured on 2 shared cores), only for a failing layer; larger images keep the corner tiles
 MAX_TILE_POSITIONS = 64
 
 
