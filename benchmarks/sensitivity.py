@@ -1,83 +1,369 @@
-"""Sensitivity of the verdict to a single-element slip, and the zoo's confusion matrix.
+"""Sensitivity and false alarms of a diagnosis with its default probes (issue 12, item 6).
 
-    python benchmarks/sensitivity.py [--sizes 128 1024] [--confusion-size 128] [--device cpu]
+    python benchmarks/sensitivity.py [--size 1024] [--batch 2] [--seed 0] [--seeds 100] [--large-seeds 2]
+        [--parts slips,boundary,false-alarms,large] [--quick] [--device cpu] [--out FILE.md]
 
-For each size: the smallest relative perturbation ε (quarter-decade grid, 1e-5 … 1) of one
-weight-gradient element that the verdict catches on a legitimate float32 result (PyTorch
-native), for the element of largest |g| and as the median over all elements (from the
-per-element threshold (bound − error)/|g|, the same test without the grid); the full
-`judge` is re-run at the reported ε to confirm a `defect` verdict. Then every legitimate
-variant's worst error ÷ bound at that size (a false alarm would be > 1). Goal (issue 3): 0.1%
-or smaller caught with no false alarm. Finally the confusion matrix of the whole zoo.
+What a diagnosis (`precision-lab diagnose`, default probes) says about
+
+1. `slips`: one element of one parameter's gradient slipped by a relative amount: g[k] + ε·|g[k]|,
+   k chosen on each problem by rank in the candidate's own gradient (the largest |g|, or the one of
+   median |g|), the same rule on the requested problem and on every probe, since a candidate is a
+   program. Targets: ε = 0.1% of the largest element, 1% of a median one, caught (verdict ≠ roundoff)
+   in every layer. Also the smallest ε caught, found by bisection on a quarter-decade grid (10⁻⁶ … 1),
+   overall and on the requested problem alone.
+2. `boundary`: one convolution's weight gradient that ignores the first image column, the last image
+   row, or one 16×16 tile (rows and columns 16–31) of its upstream gradient; caught, by which
+   problem, and the cause named.
+3. `false-alarms`: every legitimate order of the zoo judged on `--seeds` seeds at each default probe's
+   own size, batch and targets; the non-roundoff verdicts counted per candidate and probe.
+4. `large`: every legitimate order on the requested problem (`--size`) for `--large-seeds` seeds.
+5. `zoo` (only when asked): the whole zoo's confusion matrix at `--zoo-size` (default 128), judged on that
+   problem alone, as before probes existed.
+
+A diagnosis of an in-process candidate is its judgement on the requested problem and on each probe,
+the worst counting (precision_lab.diagnose). This script builds each problem's float64 reference and
+the native float32 result once and judges every slipped result against them with the same `judge`
+call `diagnose` makes (one problem at a time, so one 1024² reference is in memory at once); a caught
+slip is caught by at least one problem, the smallest ε caught overall is the smallest over problems
+(each problem's verdict is monotone in ε on the grid, checked by the bisection's end points).
+`--quick`: 256², 20 seeds, one large seed.
 """
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
+import torch
 
+from precision_lab import probes as probe_set
+from precision_lab.calibration import confusion_matrix, judge_zoo
 from precision_lab.candidates import registry
-from precision_lab.candidates.zoo import confusion_matrix, judge_zoo
+from precision_lab.candidates.zoo import _edge_skipped, _Slipped
+from precision_lab.compute import Result, forward_backward
 from precision_lab.device import resolve_device
-from precision_lab.errmodel import attach_parameters, error_bounds
-from precision_lab.problem import WEIGHT_NAMES, Result, make_problem
+from precision_lab.ops import OPS
+from precision_lab.problem import Problem, make_problem, parse_size
 from precision_lab.reference import reference
-from precision_lab.verdict import judge, single_element_sensitivity
+from precision_lab.verdict import judge
+
+#: issue 12, item 6: the slips a diagnosis at 1024² with its default probes must catch
+TARGETS = {"largest": 1e-3, "median": 1e-2}
+#: the grid of the bisection: quarter decades from 10⁻⁶ to 1 (the slip ε as a fraction of |g[k]|)
+LEVELS = tuple(10.0 ** (e / 4) for e in range(-24, 1))
+#: a tile of a GPU kernel's output (16×16 threads), placed one tile in from the corner so every probe has it
+TILE = (16, 32)
+PARTS = ("slips", "boundary", "false-alarms", "large", "zoo")
+DEFAULT_PARTS = PARTS[:4]
 
 
-def sensitivity_table(size: int, batch: int, seed: int, device) -> pd.DataFrame:
-    problem = make_problem(size, batch, seed)
-    trace = attach_parameters(reference(problem, device), problem.params)
-    native = registry()["native"].compute(problem, "float32", device)
-    bounds = error_bounds(trace, "float32")
-    rows = []
-    for name in WEIGHT_NAMES:
-        level, index = single_element_sensitivity(native, trace, name)
-        confirmed = None
-        if level is not None:
-            grads = dict(native.grads)
-            slipped = grads[name].astype(np.float64).copy()
-            slipped[index] *= 1 + level
-            grads[name] = slipped
-            confirmed = judge(Result(native.loss, grads, native.output), trace).verdict
-        ref = np.asarray(trace.grads[name], np.float64)
-        slack = bounds[name].bound - np.abs(np.asarray(native.grads[name], np.float64) - ref)
-        threshold = slack / np.maximum(np.abs(ref), np.finfo(float).tiny)
-        rows.append({"size": size, "quantity": name, "largest_element_caught": level, "verdict_at_that_slip": confirmed,
-                     "median_element_threshold": float(np.median(threshold)),
-                     "best_element_threshold": float(np.min(threshold))})
-    return pd.DataFrame(rows)
+@dataclass
+class Case:
+    """One problem of a diagnosis (the requested one or a probe), its reference and the native result."""
+
+    name: str
+    problem: Problem
+    trace: object
+    native: Result
 
 
-def main() -> None:
+def problems_of(size, batch: int, seed: int) -> list[tuple[str, Problem]]:
+    """The requested problem and its default probes, as `diagnose` makes them."""
+    main = make_problem(size, batch, seed)
+    return [("requested", main)] + [(p.name, probe_set.probe_problem(p, main)) for p in probe_set.DEFAULT_PROBES]
+
+
+def each_case(size, batch: int, seed: int, device):
+    """Each problem in turn with its reference and native result (the previous one freed first)."""
+    native = registry()["native"]
+    for name, problem in problems_of(size, batch, seed):
+        result = native.compute(problem, "float32", device)
+        yield Case(name, problem, reference(problem, device), result)
+
+
+def rank_index(grad: np.ndarray, rank: str) -> tuple[int, ...]:
+    """The element of largest |g|, or of median |g| (the middle of the sorted magnitudes)."""
+    magnitude = np.abs(grad).ravel()
+    if rank == "largest":
+        flat = int(np.argmax(magnitude))
+    else:
+        flat = int(np.argsort(magnitude, kind="stable")[magnitude.size // 2])
+    return tuple(int(i) for i in np.unravel_index(flat, grad.shape))
+
+
+def slipped(result: Result, name: str, rank: str, eps: float) -> Result:
+    """`result` with g[k] + ε·|g[k]| in gradient `name`, k chosen by `rank` on this result's own gradient."""
+    grad = np.array(result.grads[name], copy=True)
+    index = rank_index(grad, rank)
+    grad[index] = grad[index] + grad.dtype.type(eps) * abs(grad[index])
+    return Result(result.loss, dict(result.grads, **{name: grad}), result.output, result.dtype, result.meta)
+
+
+def verdict_of(case: Case, result: Result):
+    # the defect doctor only names a cause, never changes a verdict: left out of the bisection
+    return judge(result, case.trace, "float32", "slip", hypotheses=False)
+
+
+def smallest_caught(case: Case, name: str, rank: str) -> tuple[float | None, int]:
+    """Smallest grid level this problem's judgement catches (bisection), and the judgements it took."""
+    caught = lambda i: verdict_of(case, slipped(case.native, name, rank, LEVELS[i])).verdict != "roundoff"  # noqa: E731
+    calls = 1
+    if not caught(len(LEVELS) - 1):
+        return None, calls
+    lo, hi = -1, len(LEVELS) - 1  # LEVELS[hi] caught; LEVELS[lo] not (lo = -1: nothing below the grid tried)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        calls += 1
+        if caught(mid):
+            hi = mid
+        else:
+            lo = mid
+    return LEVELS[hi], calls
+
+
+def slip_rows(cases_iter, parameters: list[str]) -> list[dict]:
+    rows = {(n, r): {"quantity": n, "rank": r, "target": TARGETS[r], "caught_by": [], "smallest": None,
+                     "smallest_by": None, "smallest_requested": None}
+            for n in parameters for r in TARGETS}
+    for case in cases_iter:
+        start = time.time()
+        for (name, rank), row in rows.items():
+            at_target = verdict_of(case, slipped(case.native, name, rank, TARGETS[rank]))
+            if at_target.verdict != "roundoff":
+                row["caught_by"].append(f"{case.name} ({at_target.verdict})")
+            level, _ = smallest_caught(case, name, rank)
+            if case.name == "requested":
+                row["smallest_requested"] = level
+            if level is not None and (row["smallest"] is None or level < row["smallest"]):
+                row["smallest"], row["smallest_by"] = level, case.name
+        print(f"  slips judged on {case.name} ({case.problem.size_text}, batch {case.problem.batch}): "
+              f"{time.time() - start:.0f} s", file=sys.stderr)
+    return list(rows.values())
+
+
+def _tile_skipped(tile: tuple[int, int]):
+    def backward(op, attrs, g, xs, y, params, kernels, need):
+        grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
+        clipped = g.clone()
+        clipped[:, :, tile[0]:tile[1], tile[0]:tile[1]] = 0
+        param_grads["weight"] = kernels.conv_weight_grad(xs[0], clipped, attrs, tuple(params["weight"].shape))
+        return grads, param_grads
+
+    return backward
+
+
+BOUNDARY = {"first image column": _edge_skipped(row=False, first=True),
+            "last image row": _edge_skipped(row=True, first=False),
+            f"one 16×16 tile (rows/cols {TILE[0]}–{TILE[1] - 1})": _tile_skipped(TILE)}
+
+
+def boundary_rows(cases_iter, device) -> list[dict]:
+    rows = {}
+    for case in cases_iter:
+        start = time.time()
+        convs = [layer for layer in case.problem.network.layers if layer.op == "conv2d"]
+        for layer in convs:
+            for what, backward in BOUNDARY.items():
+                result = forward_backward(case.problem, "float32", device,
+                                          rules={layer.index: _Slipped(OPS["conv2d"], backward)})
+                judgement = judge(result, case.trace, "float32", "boundary")
+                row = rows.setdefault((layer.name, what), {"layer": layer.name, "skipped": what, "caught_by": [],
+                                                           "requested_ratio": None, "cause": None})
+                worst = judgement.quantities[f"{layer.name}.weight"].bound_ratio
+                if case.name == "requested":
+                    row["requested_ratio"] = worst
+                if judgement.verdict != "roundoff":
+                    row["caught_by"].append(f"{case.name} ({judgement.verdict}, {worst:.3g}× bound)")
+                    row["cause"] = row["cause"] or judgement.cause
+        print(f"  boundary slips on {case.name}: {time.time() - start:.0f} s", file=sys.stderr)
+    return list(rows.values())
+
+
+#: `--candidates`: the legitimate orders judged (None: all that apply)
+CHOSEN: list[str] | None = None
+
+
+def legitimate_names(network) -> list[str]:
+    return [c.name for c in registry().values() if c.family == "legitimate" and c.applies_to(network)
+            and (CHOSEN is None or c.name in CHOSEN)]
+
+
+def false_alarm_rows(batch: int, seeds: int, device) -> tuple[list[dict], dict]:
+    """Every legitimate order at each default probe's problem on `seeds` seeds: non-roundoff verdicts counted."""
+    counts, worst, problems_text, fingerprint = {}, {}, {}, {}
+    names = legitimate_names(make_problem(8, 1, 0).network)
+    start = time.time()
+    for seed in range(seeds):  # seeds outermost: a run stopped early still covers every probe alike
+        main = make_problem(8, batch, seed)  # only its batch, seed and network reach the probe's problem
+        for probe in probe_set.DEFAULT_PROBES:
+            problem = probe_set.probe_problem(probe, main)
+            problems_text[probe.name] = f"{problem.size_text}, batch {problem.batch}, {probe.targets} targets"
+            table = judge_zoo(problem, device, names=names)
+            for row in table.itertuples():
+                key = (row.candidate, probe.name)
+                counts[key] = counts.get(key, 0) + int(row.verdict != "roundoff")
+                worst[key] = max(worst.get(key, 0.0), float(row.worst_ratio))
+                if row.fingerprint_max == row.fingerprint_max:  # computed (not NaN)
+                    best, margin = fingerprint.get(row.candidate, (-1.0, math.inf))
+                    fingerprint[row.candidate] = (max(best, float(row.fingerprint_max)),
+                                                  min(margin, float(row.fingerprint_margin)))
+                if row.verdict != "roundoff":
+                    print(f"  FALSE ALARM: {row.candidate} on {probe.name}, seed {seed}: {row.verdict} "
+                          f"({row.detail or row.cause}, worst error ÷ bound {row.worst_ratio:.3g})", file=sys.stderr)
+        print(f"  false alarms: seeds 0…{seed} done, {sum(counts.values())} non-roundoff verdicts, "
+              f"{time.time() - start:.0f} s", file=sys.stderr, flush=True)
+    rows = [{"candidate": name, **{f"{p.name}": counts[(name, p.name)] for p in probe_set.DEFAULT_PROBES},
+             "worst_ratio": max(worst[(name, p.name)] for p in probe_set.DEFAULT_PROBES),
+             "fingerprint_max": fingerprint.get(name)} for name in names]
+    return rows, problems_text
+
+
+def large_rows(size, batch: int, seeds: int, device) -> list[dict]:
+    rows = {}
+    names = legitimate_names(make_problem(8, 1, 0).network)
+    for seed in range(seeds):
+        start = time.time()
+        table = judge_zoo(make_problem(size, batch, seed), device, names=names)
+        for row in table.itertuples():
+            entry = rows.setdefault(row.candidate, {"candidate": row.candidate, "seeds": 0, "not_roundoff": 0,
+                                                    "worst_ratio": 0.0})
+            entry["seeds"] += 1
+            entry["not_roundoff"] += int(row.verdict != "roundoff")
+            entry["worst_ratio"] = max(entry["worst_ratio"], float(row.worst_ratio))
+        print(f"  legitimate orders at {size}, seed {seed}: {time.time() - start:.0f} s", file=sys.stderr)
+    return list(rows.values())
+
+
+def _pct(value: float | None) -> str:
+    if value is None:
+        return "not caught (≤ 100%)"
+    return f"{value * 100:.3g}%"
+
+
+def _matrix_lines(matrix) -> list[str]:
+    return (["| expected \\ given | " + " | ".join(matrix.columns) + " |", "|---" * (len(matrix.columns) + 1) + "|"]
+            + [f"| {name} | " + " | ".join(str(int(v)) for v in row) + " |" for name, row in matrix.iterrows()])
+
+
+def markdown(args, size_text: str, figures: dict) -> str:
+    lines = [f"Measured by `{' '.join(['python', 'benchmarks/sensitivity.py'] + sys.argv[1:])}` "
+             f"(requested problem {size_text}, batch {args.batch}, seed {args.seed}; probes "
+             + ", ".join(f"`{p.name}`" for p in probe_set.DEFAULT_PROBES) + f"; device {args.device}).", ""]
+    if "slips" in figures:
+        lines += ["**Single-element slips** (g[k] + ε·|g[k]|, k the largest or a median-magnitude element of the "
+                  "candidate's own gradient on each problem):", "",
+                  "| quantity | element | target ε | caught at target by | smallest ε caught | by | on the requested "
+                  "problem alone |", "|---|---|---|---|---|---|---|"]
+        for row in figures["slips"]:
+            lines.append(f"| {row['quantity']} | {row['rank']} | {_pct(row['target'])} | "
+                         f"{', '.join(row['caught_by']) or '**missed**'} | {_pct(row['smallest'])} | "
+                         f"{row['smallest_by'] or '–'} | {_pct(row['smallest_requested'])} |")
+        lines.append("")
+    if "boundary" in figures:
+        lines += ["**Boundary slips** (the weight gradient of one convolution ignores part of its upstream gradient):",
+                  "", "| layer | skipped | caught by | error ÷ bound on the requested problem | cause named |",
+                  "|---|---|---|---|---|"]
+        for row in figures["boundary"]:
+            lines.append(f"| {row['layer']} | {row['skipped']} | {'; '.join(row['caught_by']) or '**missed**'} | "
+                         f"{row['requested_ratio']:.3g} | {row['cause'] or '–'} |")
+        lines.append("")
+    if "false-alarms" in figures:
+        rows, problems_text = figures["false-alarms"]
+        lines += [f"**False alarms**: legitimate orders, {args.seeds} seeds (0…{args.seeds - 1}) at each probe's "
+                  "problem; the count of verdicts other than `roundoff`:", "",
+                  "| candidate | " + " | ".join(f"{name} ({text})" for name, text in problems_text.items())
+                  + " | worst error ÷ bound | fingerprint: largest r; least threshold − r |",
+                  "|---" * (len(problems_text) + 3) + "|"]
+        for row in rows:
+            corr = "–" if row["fingerprint_max"] is None else "{:.3f}; {:.3f}".format(*row["fingerprint_max"])
+            lines.append(f"| {row['candidate']} | " + " | ".join(f"{row[name]}/{args.seeds}" for name in problems_text)
+                         + f" | {row['worst_ratio']:.3g} | {corr} |")
+        lines.append("")
+    if "large" in figures:
+        lines += [f"**Legitimate orders at {size_text}**, batch {args.batch}, seeds 0…{args.large_seeds - 1} "
+                  "(the requested problem's judgement):", "",
+                  "| candidate | seeds | not roundoff | worst error ÷ bound |",
+                  "|---|---|---|---|"]
+        for row in figures["large"]:
+            lines.append(f"| {row['candidate']} | {row['seeds']} | {row['not_roundoff']} | {row['worst_ratio']:.3g} |")
+        lines.append("")
+    if "zoo" in figures:
+        table = figures["zoo"]
+        lines += [f"**The zoo at {args.zoo_size}²** (requested problem only): "
+                  f"{int(table.correct.sum())} of {len(table)} "
+                  "candidates in their class, naming the expected transform or format; rows expected, columns given:",
+                  "", *_matrix_lines(confusion_matrix(table)), ""]
+        wrong = table[~table.correct]
+        lines += [f"- {row.candidate}: expected {row.expected} {row.expected_detail or ''}, given {row.verdict} "
+                  f"{row.detail or ''}" for row in wrong.itertuples()] + ([""] if len(wrong) else [])
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[128, 1024])
-    parser.add_argument("--confusion-size", type=int, default=128)
+    parser.add_argument("--size", default=None, help="requested problem N or HxW (default 1024; --quick: 256)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="seeds per probe for false alarms (default 100; --quick: 20)")
+    parser.add_argument("--large-seeds", type=int, default=None,
+                        help="seeds for the legitimate orders at --size (default 2; --quick: 1)")
+    parser.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                        help=f"comma-separated among {', '.join(PARTS)} (default {','.join(DEFAULT_PARTS)})")
+    parser.add_argument("--zoo-size", default="128", help="image size of the zoo's confusion matrix (default 128)")
+    parser.add_argument("--quick", action="store_true", help="256², 20 seeds per probe, one large seed")
+    parser.add_argument("--candidates", help="false-alarms and large: only these legitimate orders (comma-separated)")
     parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+    parser.add_argument("--out", help="write the markdown here (default: stdout only)")
+    args = parser.parse_args(argv)
+    args.size = args.size or ("256" if args.quick else "1024")
+    args.seeds = args.seeds or (20 if args.quick else 100)
+    args.large_seeds = args.large_seeds or (1 if args.quick else 2)
+    parts = [p.strip() for p in args.parts.split(",")]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(unknown)}; choose among {', '.join(PARTS)}")
+    if args.candidates:
+        global CHOSEN
+        CHOSEN = [name.strip() for name in args.candidates.split(",")]
+        unknown = [n for n in CHOSEN if n not in registry() or registry()[n].family != "legitimate"]
+        if unknown:
+            parser.error(f"--candidates: not legitimate orders of the zoo: {', '.join(unknown)}")
     device = resolve_device(args.device)
-    pd.set_option("display.width", 200)
-    for size in args.sizes:
-        start = time.time()
-        print(f"\n== sensitivity at {size}×{size}, batch {args.batch} ==")
-        print(sensitivity_table(size, args.batch, args.seed, device).to_string(index=False))
-        print(f"({time.time() - start:.0f} s)")
-    start = time.time()
-    table = judge_zoo(make_problem(args.confusion_size, args.batch, args.seed), device)
-    print(f"\n== zoo at {args.confusion_size}×{args.confusion_size}: worst error ÷ bound per candidate ==")
-    print(table[["candidate", "family", "expected", "expected_detail", "verdict", "detail", "correct",
-                 "worst_ratio"]].to_string(index=False))
-    legit = table[table.family == "legitimate"]
-    print(f"\nlegitimate variants: worst error ÷ bound {legit.worst_ratio.max():.3g} "
-          f"({'no false alarm' if (legit.verdict == 'roundoff').all() else 'FALSE ALARM'})")
-    print(f"\n== confusion matrix (rows expected, columns given), {len(table)} candidates, "
-          f"{int(table.correct.sum())} correct including the named transform/format ==")
-    print(confusion_matrix(table).to_string())
-    print(f"({time.time() - start:.0f} s)")
+    torch.manual_seed(0)
+    size_text = "×".join(str(s) for s in parse_size(args.size))
+    figures, started = {}, time.time()
+    parameters = list(make_problem(8, 1, 0).network.parameter_names)
+    if "slips" in parts:
+        print("single-element slips…", file=sys.stderr)
+        figures["slips"] = slip_rows(each_case(args.size, args.batch, args.seed, device), parameters)
+    if "boundary" in parts:
+        print("boundary slips…", file=sys.stderr)
+        figures["boundary"] = boundary_rows(each_case(args.size, args.batch, args.seed, device), device)
+    if "false-alarms" in parts:
+        print("false alarms…", file=sys.stderr)
+        figures["false-alarms"] = false_alarm_rows(args.batch, args.seeds, device)
+    if "large" in parts:
+        print(f"legitimate orders at {size_text}…", file=sys.stderr)
+        figures["large"] = large_rows(args.size, args.batch, args.large_seeds, device)
+    if "zoo" in parts:
+        print(f"the zoo at {args.zoo_size}…", file=sys.stderr)
+        table = judge_zoo(make_problem(args.zoo_size, args.batch, args.seed), device)
+        figures["zoo"] = table
+    text = markdown(args, size_text, figures) + f"\n({time.time() - started:.0f} s in all)\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write(text)
+    missed = [r for r in figures.get("slips", []) if not r["caught_by"]] + \
+             [r for r in figures.get("boundary", []) if not r["caught_by"]]
+    alarms = sum(1 for r in figures.get("false-alarms", ([], {}))[0]
+                 for p in probe_set.DEFAULT_PROBES if r[p.name]) + \
+        sum(1 for r in figures.get("large", []) if r["not_roundoff"])
+    print(f"missed slips: {len(missed)}; candidate×problem cells with false alarms: {alarms}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ def judge_zoo(problem: Problem, device: str | torch.device = "cpu", names: list[
     """Judge every built-in candidate with an expected verdict that applies to the problem's network:
     one row each.
 
-    Columns: candidate, family, expected, expected_detail, verdict, detail, correct, worst_ratio, cause.
+    Columns: candidate, family, expected, expected_detail, verdict, detail, correct, worst_ratio, cause, and
+    fingerprint_max, the largest correlation with an emulated coarser format, and fingerprint_margin, the least
+    threshold − correlation (≤ 0 names a format; NaN where no fingerprint was computed).
     `correct` needs the verdict and, when one is expected, the transform or format it names.
     """
     trace = make_reference(problem, device)
@@ -38,7 +40,10 @@ def judge_zoo(problem: Problem, device: str | torch.device = "cpu", names: list[
         rows.append({"candidate": candidate.name, "family": candidate.family, "expected": candidate.expected,
                      "expected_detail": candidate.expected_detail, "verdict": judgement.verdict, "detail": detail,
                      "correct": correct, "worst_ratio": max(q.bound_ratio for q in judgement.quantities.values()),
-                     "cause": judgement.cause})
+                     "cause": judgement.cause,
+                     "fingerprint_max": max((row["correlation"] for row in judgement.fingerprint), default=float("nan")),
+                     "fingerprint_margin": min((row["threshold"] - row["correlation"] for row in judgement.fingerprint),
+                                               default=float("nan"))})
     return pd.DataFrame(rows)
 
 
