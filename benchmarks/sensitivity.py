@@ -48,7 +48,7 @@ from precision_lab.device import resolve_device
 from precision_lab.ops import OPS
 from precision_lab.problem import Problem, make_problem, parse_size
 from precision_lab.reference import reference
-from precision_lab.verdict import judge
+from precision_lab.verdict import judge, worst
 
 #: issue 12, item 6: the slips a diagnosis at 1024² with its default probes must catch
 TARGETS = {"largest": 1e-3, "median": 1e-2}
@@ -56,7 +56,7 @@ TARGETS = {"largest": 1e-3, "median": 1e-2}
 LEVELS = tuple(10.0 ** (e / 4) for e in range(-24, 1))
 #: a tile of a GPU kernel's output (16×16 threads), placed one tile in from the corner so every probe has it
 TILE = (16, 32)
-PARTS = ("slips", "boundary", "false-alarms", "large", "zoo")
+PARTS = ("slips", "boundary", "false-alarms", "large", "zoo", "zoo-probes")
 DEFAULT_PARTS = PARTS[:4]
 
 
@@ -237,6 +237,31 @@ def large_rows(size, batch: int, seeds: int, device) -> list[dict]:
     return list(rows.values())
 
 
+def zoo_probe_rows(size, batch: int, seed: int, device) -> list[dict]:
+    """Every zoo candidate judged as `diagnose` judges it: the requested problem and the default probes, the
+    overall verdict the worst, its transform or format from the problem that decided it."""
+    rows = {}
+    for name, problem in problems_of(size, batch, seed):
+        start = time.time()
+        for row in judge_zoo(problem, device).itertuples():
+            entry = rows.setdefault(row.candidate, {"candidate": row.candidate, "expected": row.expected,
+                                                    "expected_detail": _text(row.expected_detail), "verdicts": {}})
+            entry["verdicts"][name] = (row.verdict, _text(row.detail), bool(row.correct))
+        print(f"  zoo on {name} ({problem.size_text}): {time.time() - start:.0f} s", file=sys.stderr)
+    for entry in rows.values():
+        overall = worst([v for v, _, _ in entry["verdicts"].values()])
+        decided_by = "requested" if entry["verdicts"]["requested"][0] == overall else next(
+            n for n, (v, _, _) in entry["verdicts"].items() if v == overall)
+        entry.update(verdict=overall, detail=entry["verdicts"][decided_by][1], decided_by=decided_by,
+                     requested=entry["verdicts"]["requested"][0])
+        entry["correct"] = overall == entry["expected"] and entry["verdicts"][decided_by][2]
+    return list(rows.values())
+
+
+def _text(value) -> str:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+
+
 def _pct(value: float | None) -> str:
     if value is None:
         return "not caught (≤ 100%)"
@@ -299,6 +324,17 @@ def markdown(args, size_text: str, figures: dict) -> str:
         wrong = table[~table.correct]
         lines += [f"- {row.candidate}: expected {row.expected} {row.expected_detail or ''}, given {row.verdict} "
                   f"{row.detail or ''}" for row in wrong.itertuples()] + ([""] if len(wrong) else [])
+    if "zoo-probes" in figures:
+        rows = figures["zoo-probes"]
+        lines += [f"**The zoo at {size_text} with the default probes** (as `diagnose` judges: overall the worst): "
+                  f"{sum(r['correct'] for r in rows)} of {len(rows)} candidates in their class, naming the expected "
+                  "transform or format.", "",
+                  "| candidate | expected | requested problem alone | overall (decided by) |", "|---|---|---|---|"]
+        for r in rows:
+            expected = f"{r['expected']} {r['expected_detail']}".strip()
+            lines.append(f"| {r['candidate']} | {expected} | {r['requested']} | {r['verdict']} "
+                         f"{r['detail']} ({r['decided_by']}){'' if r['correct'] else ' **wrong**'} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -353,6 +389,9 @@ def main(argv=None) -> None:
         print(f"the zoo at {args.zoo_size}…", file=sys.stderr)
         table = judge_zoo(make_problem(args.zoo_size, args.batch, args.seed), device)
         figures["zoo"] = table
+    if "zoo-probes" in parts:
+        print(f"the zoo at {size_text} with its probes…", file=sys.stderr)
+        figures["zoo-probes"] = zoo_probe_rows(args.size, args.batch, args.seed, device)
     text = markdown(args, size_text, figures) + f"\n({time.time() - started:.0f} s in all)\n"
     print(text)
     if args.out:

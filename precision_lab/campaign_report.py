@@ -283,24 +283,7 @@ def report_html(spec, table: pd.DataFrame) -> str:
     parts.append('<p class="lab-note">The table behind this page: <code>campaign.parquet</code> beside it, one row per '
                  'cell and quantity (docs/campaigns.md lists its columns).</p>')
     heading = f"precision-lab campaign: {spec.name}"
-    return f"""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1.0">
-<title>{tables.escape(heading)}</title>
-<style>
-{tables.stylesheet()}
- body {{ font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 80em; color: #222; padding: 0 1em; }}
- h1 {{ font-size: 1.6em; margin-bottom: .3em; }} h2 {{ margin-top: 1.4em; border-bottom: 1px solid #ddd; }}
-</style>
-</head>
-<body>
-<h1>{tables.escape(heading)}</h1>
-{''.join(parts)}
-</body>
-</html>
-"""
+    return tables.page(heading, "".join(parts), max_width="80em")
 
 
 def write_report(spec, table: pd.DataFrame, path: Path) -> Path:

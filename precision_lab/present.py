@@ -34,21 +34,7 @@ def diagnosis_page(judgement, problem=None, device_info: dict | None = None, tit
                 ("written", dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))]
     evidence = "".join(f"<li>{tables.escape(line)}</li>" for line in judgement.evidence)
     heading = title or f"precision-lab diagnosis: {judgement.candidate}"
-    return f"""<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1.0">
-<title>{tables.escape(heading)}</title>
-<style>
-{tables.stylesheet()}
- body {{ font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 75em; color: #222; padding: 0 1em; }}
- h1 {{ font-size: 1.6em; margin-bottom: .3em; }} h2 {{ margin-top: 1.4em; border-bottom: 1px solid #ddd; }}
-</style>
-</head>
-<body>
-<h1>{tables.escape(heading)}</h1>
-<p>{tables.verdict_chip(conclusion.findings[0].verdict_text, judgement.verdict)} {tables.escape(_headline(judgement))}</p>
+    return tables.page(heading, f"""<p>{tables.verdict_chip(conclusion.findings[0].verdict_text, judgement.verdict)} {tables.escape(_headline(judgement))}</p>
 {conclusion.html()}
 <h2>Run context</h2>
 {tables.definition_table(context, "run-context")}
@@ -59,9 +45,7 @@ def diagnosis_page(judgement, problem=None, device_info: dict | None = None, tit
 {tables.definition_table(_model_rows(judgement.model), "error-model")}
 <p class="lab-note">The bound per element is the probabilistic bound of Higham &amp; Mary (2019), λ·√n·u·S with
 S = Σ|terms|, propagated through the layers; error ÷ bound ≤ 1 is rounding (docs/verdicts.md).</p>
-</body>
-</html>
-"""
+""")
 
 
 def _headline(judgement) -> str:

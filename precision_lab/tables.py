@@ -270,6 +270,28 @@ def stylesheet() -> str:
     return STYLESHEET.read_text(encoding="utf-8")
 
 
+def page(heading: str, body: str, max_width: str = "75em") -> str:
+    """A self-contained HTML page (the lab's stylesheet inline, nothing fetched) with `heading` as h1."""
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1.0">
+<title>{escape(heading)}</title>
+<style>
+{stylesheet()}
+ body {{ font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: {max_width}; color: #222; padding: 0 1em; }}
+ h1 {{ font-size: 1.6em; margin-bottom: .3em; }} h2 {{ margin-top: 1.4em; border-bottom: 1px solid #ddd; }}
+</style>
+</head>
+<body>
+<h1>{escape(heading)}</h1>
+{body}
+</body>
+</html>
+"""
+
+
 def escape(text) -> str:
     return html.escape(str(text), quote=True)
 
