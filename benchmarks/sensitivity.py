@@ -42,10 +42,10 @@ import torch
 from precision_lab import probes as probe_set
 from precision_lab.calibration import confusion_matrix, judge_zoo
 from precision_lab.candidates import registry
-from precision_lab.candidates.zoo import _edge_skipped, _Slipped
+from precision_lab.candidates.zoo import _edge_skipped
 from precision_lab.compute import Result, forward_backward
 from precision_lab.device import resolve_device
-from precision_lab.ops import OPS
+from precision_lab.ops import OPS, BackwardReplaced
 from precision_lab.problem import Problem, make_problem, parse_size
 from precision_lab.reference import reference
 from precision_lab.verdict import judge, worst
@@ -168,7 +168,7 @@ def boundary_rows(cases_iter, device) -> list[dict]:
         for layer in convs:
             for what, backward in BOUNDARY.items():
                 result = forward_backward(case.problem, "float32", device,
-                                          rules={layer.index: _Slipped(OPS["conv2d"], backward)})
+                                          rules={layer.index: BackwardReplaced(OPS["conv2d"], backward)})
                 judgement = judge(result, case.trace, "float32", "boundary")
                 row = rows.setdefault((layer.name, what), {"layer": layer.name, "skipped": what, "caught_by": [],
                                                            "requested_ratio": None, "cause": None})

@@ -30,7 +30,7 @@ from . import errmodel, formats
 from .compare import ComparisonError, quantity_arrays
 from .compute import GradBuffer, Result, Trace, forward_backward, layer_params
 from .layout import canonical_for, from_layout, layout_for, shape_in_layout
-from .ops import OPS, BoundContext, Field, GradField, Kernels
+from .ops import OPS, BackwardReplaced, BoundContext, Field, GradField, Kernels
 
 #: formats a result may fall back to, finest first (float32 counts for a float64 claim)
 FALLBACK_FORMATS = ("float32", "tf32", "float16", "bfloat16")
@@ -559,14 +559,14 @@ def _routing_hypotheses(reference: Trace):
             for text, backward in (("takes each block's first gradient instead of their sum", _upsample_first),
                                    ("averages each block's gradients instead of summing them", _upsample_mean)):
                 result = forward_backward(reference.problem, "float64", reference.device,
-                                          rules={layer.index: _Rerouted(OPS[layer.op], backward)})
+                                          rules={layer.index: BackwardReplaced(OPS[layer.op], backward)})
                 yield f"{layer.label} backward {text}", result.grads, list(result.grads), False
         elif layer.op in ("add", "concat"):
             source = network.layers[layer.source].label
             for which, text in ((1, f"passes no gradient to the skip from {source}"),
                                 (0, "passes no gradient to the main branch")):
                 result = forward_backward(reference.problem, "float64", reference.device,
-                                          rules={layer.index: _Rerouted(OPS[layer.op], _dropping(which))})
+                                          rules={layer.index: BackwardReplaced(OPS[layer.op], _dropping(which))})
                 yield f"{layer.label} backward {text}", result.grads, list(result.grads), False
 
 
@@ -589,24 +589,6 @@ def _dropping(which: int):
         return grads, param_grads
 
     return backward
-
-
-class _Rerouted:
-    """An op whose backward is replaced (the routing hypotheses); forward unchanged."""
-
-    forward_inplace = None
-    derive_output = None
-    derive_input_grad = None
-    backward_inplace = None
-
-    def __init__(self, op, backward):
-        self.op, self._backward = op, backward
-
-    def forward(self, attrs, xs, params, kernels):
-        return self.op.forward(attrs, xs, params, kernels)
-
-    def backward(self, attrs, g, xs, y, params, kernels, need):
-        return self._backward(self.op, attrs, g, xs, y, params, kernels, need)
 
 
 def _stale_weights(reference: Trace, pairs, failing):

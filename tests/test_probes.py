@@ -196,7 +196,7 @@ def test_fingerprint_null_of_a_tf32_claim_holds_tf32_itself():
 
 def test_defect_doctor_names_a_skipped_interior_tile():
     # a weight-gradient kernel that never adds one 16×16 tile of conv2's upstream gradient (rows, columns 16–31)
-    from precision_lab.candidates.zoo import _Slipped
+    from precision_lab.ops import BackwardReplaced
     from precision_lab.compute import forward_backward
     from precision_lab.ops import OPS
 
@@ -208,7 +208,7 @@ def test_defect_doctor_names_a_skipped_interior_tile():
         return grads, param_grads
 
     problem = make_problem((61, 67), 2, seed=0)  # the odd-61x67 probe's problem
-    result = forward_backward(problem, "float32", rules={2: _Slipped(OPS["conv2d"], tile_skipped)})
+    result = forward_backward(problem, "float32", rules={2: BackwardReplaced(OPS["conv2d"], tile_skipped)})
     judgement = judge(result, reference(problem), "float32", "tile-skipped")
     assert judgement.verdict == "defect" and judgement.quantities["conv2.weight"].verdict == "defect"
     assert judgement.cause == "conv2: the 16×16 tile at rows 16–31, columns 16–31 of its upstream gradient skipped"

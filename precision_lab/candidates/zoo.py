@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .. import formats
 from ..compute import Result, forward_backward
 from ..layout import to_layout
-from ..ops import LOSSES, OPS, Kernels, is_seed_conv
+from ..ops import LOSSES, OPS, BackwardReplaced, Kernels, is_seed_conv
 from ..problem import Problem
 from . import Candidate, builtin, register  # noqa: F401 - builtin first: registry() loads only when empty
 from .builtin import emulated
@@ -240,24 +240,6 @@ for _name in _conv_algorithms():
 # defects inside the computation: one op's rule replaced
 
 
-class _Slipped:
-    """An op with its backward changed by `backward(op, attrs, g, xs, y, params, kernels, need)`."""
-
-    forward_inplace = None
-    derive_output = None
-    derive_input_grad = None
-    backward_inplace = None
-
-    def __init__(self, op, backward):
-        self.op, self._backward = op, backward
-
-    def forward(self, attrs, xs, params, kernels):
-        return self.op.forward(attrs, xs, params, kernels)
-
-    def backward(self, attrs, g, xs, y, params, kernels, need):
-        return self._backward(self.op, attrs, g, xs, y, params, kernels, need)
-
-
 def _slipped(rules_for):
     """A candidate run with the rules `rules_for(network)` returns (op name or layer index → rule)."""
     def run(problem: Problem, precision: str, device: torch.device) -> Result:
@@ -405,25 +387,25 @@ def _has_op(name):
 
 
 for _name, _rules, _applies, _expected, _text in [
-    ("relu-mask-missing", lambda n: {"relu": _Slipped(OPS["relu"], _unmasked)}, lambda n: bool(_relu_layers(n)),
+    ("relu-mask-missing", lambda n: {"relu": BackwardReplaced(OPS["relu"], _unmasked)}, lambda n: bool(_relu_layers(n)),
      "defect", "the backward passes gradients through the ReLUs unmasked"),
     ("mean-missing", _loss_slip(lambda base, y: base.positions(y) if base.name == "cross_entropy" else y.numel()),
      None, "defect", "∂loss/∂output without the 1/N of the mean"),
     ("factor-two-missing", _loss_slip(lambda base, y: 0.5), lambda n: n.loss == "mse", "defect",
      "∂loss/∂output = (y − t)/N: the 2 of the square forgotten"),
-    ("bias-one-sample", lambda n: {op: _Slipped(OPS[op], _bias_one_sample) for op in ("conv2d", "linear")},
+    ("bias-one-sample", lambda n: {op: BackwardReplaced(OPS[op], _bias_one_sample) for op in ("conv2d", "linear")},
      lambda n: bool(n.bias_names), "defect", "bias gradients summed over the first image of the batch only"),
     ("mask-wrong-layer", _mask_wrong_layer, _two_relus_alike, "defect",
      "the first ReLU's backward uses another ReLU's mask"),
-    ("padding-offset", lambda n: {"conv2d": _Slipped(OPS["conv2d"], _shifted_windows)}, lambda n: bool(_convs(n)),
+    ("padding-offset", lambda n: {"conv2d": BackwardReplaced(OPS["conv2d"], _shifted_windows)}, lambda n: bool(_convs(n)),
      "defect", "weight gradients with the halo on one side: windows one pixel off"),
-    ("last-row-skipped", lambda n: {"conv2d": _Slipped(OPS["conv2d"], _edge_skipped(row=True, first=False))},
+    ("last-row-skipped", lambda n: {"conv2d": BackwardReplaced(OPS["conv2d"], _edge_skipped(row=True, first=False))},
      lambda n: bool(_convs(n)), "defect", "weight-gradient loop over image rows stops one row short"),
-    ("first-column-skipped", lambda n: {_first_conv(n).index: _Slipped(OPS["conv2d"], _edge_skipped(row=False, first=True))},
+    ("first-column-skipped", lambda n: {_first_conv(n).index: BackwardReplaced(OPS["conv2d"], _edge_skipped(row=False, first=True))},
      lambda n: bool(_convs(n)), "defect", "the first convolution's weight gradient ignores the first image column"),
-    ("upsample-backward-first-only", lambda n: {"upsample_nearest": _Slipped(OPS["upsample_nearest"], _upsample_first_only)},
+    ("upsample-backward-first-only", lambda n: {"upsample_nearest": BackwardReplaced(OPS["upsample_nearest"], _upsample_first_only)},
      _has_op("upsample_nearest"), "defect", "upsample backward takes each block's first gradient instead of their sum"),
-    ("skip-no-gradient", lambda n: {"add": _Slipped(OPS["add"], _skip_no_gradient)}, _has_op("add"), "defect",
+    ("skip-no-gradient", lambda n: {"add": BackwardReplaced(OPS["add"], _skip_no_gradient)}, _has_op("add"), "defect",
      "the skip connection (add's `from`) gets no gradient"),
     ("cross-entropy-summed", lambda n: {"loss": _SummedCrossEntropy(LOSSES["cross_entropy"])},
      lambda n: n.loss == "cross_entropy", "defect", "cross-entropy summed over samples instead of averaged"),
