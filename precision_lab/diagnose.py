@@ -83,10 +83,12 @@ class Diagnosis:
         return self.main.quantities
 
     def deciding(self) -> Judgement:
-        """The judgement whose verdict is the overall one (the requested problem's when it is)."""
-        if self.main.verdict == self.verdict:
-            return self.main
-        return next(j for _, j in self.probes if j.verdict == self.verdict)
+        """The judgement whose verdict is the overall one: the first (requested problem, then the probes) that
+        names a cause, else the first with that verdict. A cause needs a recomputation that the requested
+        problem may be too large for (doctors.RECOMPUTE_LIMIT on a CPU); a probe is small enough to name it."""
+        same = [j for j in [self.main] + [j for _, j in self.probes] if j.verdict == self.verdict]
+        named = [j for j in same if j.layout_fix or j.format or j.cause]
+        return (named or same)[0]
 
     def to_json(self) -> dict:
         deciding = self.deciding()

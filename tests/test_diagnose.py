@@ -92,3 +92,24 @@ def test_motivating_case_replay_names_the_flip_and_reproduces_the_pattern():
     summary = motivating.summarise(table, judgements)
     assert list(summary.columns[:4]) == ["candidate", "experiment", "verdict", "headline"]
     assert np.isfinite(motivating.magnitude_agreement(table).iloc[1:]).all()
+
+
+def test_the_overall_cause_comes_from_the_first_problem_that_names_one():
+    """At 1024² on a CPU the defect doctor's recomputations are skipped (doctors.RECOMPUTE_LIMIT): the requested
+    problem says only where the failure starts, and the probe that names the cause must be the one quoted."""
+    from types import SimpleNamespace
+
+    from precision_lab.diagnose import Diagnosis
+
+    def judged(verdict, cause=None, localisation=None):
+        return SimpleNamespace(verdict=verdict, layout_fix=None, format=None, cause=cause, localisation=localisation)
+
+    main = judged("defect", localisation="first failing quantity in backprop order: mid.weight")
+    probe = judged("defect", cause="up backward takes each block's first gradient instead of their sum")
+    diagnosis = Diagnosis(main, [(SimpleNamespace(name="odd-61x67"), judged("roundoff")),
+                                 (SimpleNamespace(name="odd-33x47-batch3"), probe)])
+    assert diagnosis.deciding() is probe
+    named = Diagnosis(judged("defect", cause="scaled by 2"), [(SimpleNamespace(name="p"), probe)])
+    assert named.deciding() is named.main  # the requested problem first when it names one
+    unnamed = Diagnosis(main, [(SimpleNamespace(name="p"), judged("defect"))])
+    assert unnamed.deciding() is main
