@@ -1,8 +1,6 @@
 """Built-in candidates: PyTorch native, precision emulation, and the motivating-case replay."""
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 
@@ -14,26 +12,18 @@ from ..problem import Problem
 from . import Candidate, register
 
 
-@contextlib.contextmanager
-def cuda_fp32_precision(mode: str):
-    """Set cuDNN/cuBLAS float32 precision to 'ieee' or 'tf32' for the block, restoring both after.
-
-    Uses the fp32_precision API of PyTorch ≥ 2.9 and falls back to allow_tf32 before it.
-    """
-    from ..conv.backends import native_flags
-
-    with native_flags(fp32_precision=mode):
-        yield
-
-
-def _native(tf32: bool):
+def _native(tf32: bool, **knobs):
+    """PyTorch autograd; on a GPU with cuDNN/cuBLAS float32 precision 'tf32' or 'ieee' and any cuDNN knobs
+    (benchmark, deterministic), restored afterwards (conv.backends.native_flags)."""
     def run(problem: Problem, precision: str, device: torch.device) -> Result:
         if device.type != "cuda":
             return autograd_forward_backward(problem, precision, device)
+        from ..conv.backends import native_flags
+
         mode = "tf32" if tf32 and precision == "float32" else "ieee"
-        with cuda_fp32_precision(mode):
+        with native_flags(fp32_precision=mode, **knobs):
             result = autograd_forward_backward(problem, precision, device)
-        result.meta.update(fp32_precision=mode, cudnn=torch.backends.cudnn.version())
+        result.meta.update(fp32_precision=mode, cudnn=torch.backends.cudnn.version(), **knobs)
         return result
 
     return run
@@ -54,30 +44,17 @@ register(Candidate(
 ))
 
 
-def _native_knobs(**flags):
-    """cuDNN with TF32 off and one knob set: benchmark (autotuned kernel per shape) or deterministic."""
-    def run(problem: Problem, precision: str, device: torch.device) -> Result:
-        from ..conv.backends import native_flags
-
-        with native_flags(fp32_precision="ieee", **flags):
-            result = autograd_forward_backward(problem, precision, device)
-        result.meta.update(fp32_precision="ieee", cudnn=torch.backends.cudnn.version(), **flags)
-        return result
-
-    return run
-
-
 register(Candidate(
     name="native-benchmark",
     description="PyTorch autograd on GPU, TF32 off, cuDNN autotuner on (benchmark=True: the fastest kernel per shape)",
-    run=_native_knobs(benchmark=True),
+    run=_native(tf32=False, benchmark=True),
     devices=("cuda",),
 ))
 
 register(Candidate(
     name="native-deterministic",
     description="PyTorch autograd on GPU, TF32 off, cuDNN restricted to deterministic kernels (no autotuning)",
-    run=_native_knobs(deterministic=True, benchmark=False),
+    run=_native(tf32=False, deterministic=True, benchmark=False),
     devices=("cuda",),
 ))
 

@@ -35,9 +35,7 @@ class Conv2d(Op):
         attrs["groups"] = positive_int(attrs["groups"], "groups")
         if attrs["in"] % attrs["groups"] or attrs["out"] % attrs["groups"]:
             raise OpSpecError(f"'groups' {attrs['groups']} must divide 'in' {attrs['in']} and 'out' {attrs['out']}")
-        if not isinstance(attrs["bias"], bool):
-            raise OpSpecError(f"'bias' is {attrs['bias']!r}: expected true or false")
-        return attrs
+        return _bias_checked(attrs)
 
     def out_shape(self, attrs, in_shapes):
         shape = in_shapes[0]
@@ -217,6 +215,12 @@ class Conv2d(Op):
 # point-by-point convolutions of sparse flip fields (any kernel, stride, padding, dilation, groups)
 
 
+def _bias_checked(attrs):
+    if not isinstance(attrs["bias"], bool):
+        raise OpSpecError(f"'bias' is {attrs['bias']!r}: expected true or false")
+    return attrs
+
+
 def _taps(ys, xs, attrs, height: int, width: int):
     """Input rows y·s − p + d·i and columns x·s − p + d·j read by output points (ys, xs), clamped into the
     image, and an (m, kh, kw) mask of the taps that lie inside it (outside is zero padding)."""
@@ -291,9 +295,7 @@ class Linear(Op):
 
     def check(self, attrs):
         attrs["in"], attrs["out"] = positive_int(attrs["in"], "in"), positive_int(attrs["out"], "out")
-        if not isinstance(attrs["bias"], bool):
-            raise OpSpecError(f"'bias' is {attrs['bias']!r}: expected true or false")
-        return attrs
+        return _bias_checked(attrs)
 
     def out_shape(self, attrs, in_shapes):
         shape = in_shapes[0]

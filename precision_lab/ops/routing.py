@@ -23,6 +23,16 @@ def _max_radius(radii):
     return None if any(r is None for r in radii) else max(radii)
 
 
+def _same_length(lengths, axis: int, joins: str):
+    """The common length of two inputs along `axis` (None: not known yet), or the one-line error naming both."""
+    first, second = lengths
+    if first is not None and second is not None and first != second:
+        side = ("height", "width")[axis]
+        raise OpSpecError(joins.format(side=side, first=first, second=second) + ": choose an image size the "
+                          "network's strides and upsamples bring back to the same size")
+    return first
+
+
 def _image(shape, op: str):
     if len(shape) != 3:
         raise OpSpecError(f"{op} needs an image (C, H, W) but receives {len(shape)}-D features (a flatten came before it)")
@@ -220,12 +230,7 @@ class Add(Op):
         return tuple(a if a is not None else b for a, b in zip(first, second))
 
     def axis_length(self, attrs, lengths, axis):
-        first, second = lengths
-        if first is not None and second is not None and first != second:
-            side = ("height", "width")[axis]
-            raise OpSpecError(f"adds a {side} of {first} to a {side} of {second}: choose an image size the network's "
-                              f"strides and upsamples bring back to the same size")
-        return first
+        return _same_length(lengths, axis, "adds a {side} of {first} to a {side} of {second}")
 
     def forward(self, attrs, xs, params, kernels):
         return xs[0] + xs[1]
@@ -259,12 +264,7 @@ class Concat(Op):
                 first[2] if first[2] is not None else second[2])
 
     def axis_length(self, attrs, lengths, axis):
-        first, second = lengths
-        if first is not None and second is not None and first != second:
-            side = ("height", "width")[axis]
-            raise OpSpecError(f"concatenates a {side} of {first} with a {side} of {second}: choose an image size the "
-                              f"network's strides and upsamples bring back to the same size")
-        return first
+        return _same_length(lengths, axis, "concatenates a {side} of {first} with a {side} of {second}")
 
     def forward(self, attrs, xs, params, kernels):
         return torch.cat(xs, dim=1)
