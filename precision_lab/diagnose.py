@@ -65,6 +65,7 @@ class Diagnosis:
     main: Judgement
     probes: list[tuple[probe_set.Probe, Judgement]] = field(default_factory=list)
     repeats: dict = field(default_factory=dict)
+    probe_note: str | None = None  # how the probes were chosen when the network fixes the size
 
     @property
     def verdict(self) -> str:
@@ -112,10 +113,13 @@ class Diagnosis:
                 "decided_by": "requested" if deciding is self.main else next(
                     p.name for p, j in self.probes if j is deciding),
                 "problem": main["problem"], "parameters": parameters, "forward": main["forward"],
-                "evidence": main["evidence"], "main": main, "probes": probes, "repeats": json_safe(self.repeats)}
+                "evidence": main["evidence"], "main": main, "probes": probes, "probe_note": self.probe_note,
+                "repeats": json_safe(self.repeats)}
 
     def to_text(self) -> str:
         lines = [self.main.to_text()]
+        if self.probe_note:
+            lines.append(f"probes: {self.probe_note}")
         if self.repeats:
             lines.append(f"  repeats: {self.repeats['runs']} runs, largest run-to-run spread ÷ bound "
                          f"{self.repeats['worst_spread_ratio']:.3g} ({self.repeats['worst_quantity']})")
@@ -198,7 +202,7 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
         judged.append((probe, judge(probe_result, probe_trace, candidate.claimed_precision, candidate.name)))
         bar.update()
     bar.close()
-    return Diagnosis(main, judged, spread)
+    return Diagnosis(main, judged, spread, probe_set.fixed_size_note(problem.network, problem) if chosen else None)
 
 
 def _bar(total: int, enabled: bool):
