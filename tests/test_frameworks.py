@@ -24,13 +24,15 @@ def _needs(module: str):
                               reason=f"{module} is not installed (pip install {module})")
 
 
-def _candidate(tmp_path: Path, name: str) -> Path:
+def _candidate(tmp_path: Path, name: str, model: dict | None = None) -> Path:
     """The example's YAML, with tinygrad sent to its compiler-free backend where clang is missing."""
     spec = yaml.safe_load((FRAMEWORKS / name).read_text())
     if spec.get("env", {}).get("DEV") == "CPU" and shutil.which("clang") is None:
         spec["env"]["DEV"] = "PYTHON"  # tinygrad's CPU backend compiles with clang
     for key in ("command", "command_float64"):
         spec[key] = [str(FRAMEWORKS / arg) if (FRAMEWORKS / arg).is_file() else arg for arg in spec[key]]
+    if "model" in spec:
+        spec["model"] = model or str(FRAMEWORKS / spec["model"])
     path = tmp_path / name
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -39,6 +41,7 @@ def _candidate(tmp_path: Path, name: str) -> Path:
 CASES = [
     pytest.param("jax.yaml", 0, "overall verdict: roundoff", marks=_needs("jax")),
     pytest.param("jax-slip.yaml", 1, "overall verdict: layout (layout HWIO)", marks=_needs("jax")),
+    pytest.param("jax-same.yaml", 0, "overall verdict: roundoff", marks=_needs("jax")),
     pytest.param("tensorflow.yaml", 0, "overall verdict: roundoff", marks=_needs("tensorflow")),
     pytest.param("tensorflow-slip.yaml", 1, "overall verdict: layout (layout HWIO)", marks=_needs("tensorflow")),
     pytest.param("tinygrad.yaml", 0, "overall verdict: roundoff", marks=_needs("tinygrad")),
@@ -50,7 +53,8 @@ CASES = [
 @pytest.mark.parametrize("name,code,line", CASES)
 def test_framework_example_gets_its_verdict(tmp_path, capsys, name, code, line):
     out = tmp_path / "verdict.json"
-    assert cli.main(["diagnose", "--candidate", str(_candidate(tmp_path, name)), "--size", SIZE, "--batch", "2",
+    size = "8" if "same" in name else SIZE  # the classifier takes 8×8 only
+    assert cli.main(["diagnose", "--candidate", str(_candidate(tmp_path, name)), "--size", size, "--batch", "2",
                      "--probes", "none", "--json", str(out)]) == code, capsys.readouterr()
     assert line in capsys.readouterr().out
     assert json.loads(out.read_text())["verdict"] == line.split(": ")[1].split(" ")[0]
@@ -63,3 +67,15 @@ def test_framework_candidates_fit_in_twenty_lines(script):
     body = text.split('"""', 2)[2]  # without the module docstring
     code = [line for line in body.splitlines() if line.strip() and not line.strip().startswith("#")]
     assert len(code) <= 20, f"{script}: {len(code)} lines of code"
+
+
+@pytest.mark.slow
+@_needs("jax")
+def test_the_average_pools_divisor_is_part_of_the_spec(tmp_path, capsys):
+    """The JAX pool divides by the in-bounds count: described with PyTorch's default (k², padding counted),
+    the same right program is a defect; so the flag is what lets it be judged `roundoff` above."""
+    spec = json.loads((FRAMEWORKS / "tf-same-classifier.json").read_text())
+    pool = next(layer for layer in spec["layers"] if layer["op"] == "avg_pool2d")
+    pool["count_include_pad"] = True
+    code = cli.main(["diagnose", "--candidate", str(_candidate(tmp_path, "jax-same.yaml", spec)), "--probes", "none"])
+    assert code == 1 and "overall verdict: defect" in capsys.readouterr().out
