@@ -98,3 +98,17 @@ def test_export_writes_bounds_for_a_padded_network(tmp_path):
     with np.load(tmp_path / "x" / "reference" / "arrays.npz") as data:
         bound = data["c.weight.grad.bound"]
     assert bound.shape == (2, 1, 3, 3) and np.all(bound > 0)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")  # PyTorch's own note on its copy
+def test_from_module_reads_pytorchs_same_padding_of_an_even_kernel():
+    # PyTorch's "same" (stride 1) puts the odd pixel after, as TensorFlow does: k = 4 pads (1, 2)
+    module = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 4, padding="same"))
+    network = from_module(module, input_channels=1)
+    assert network.summary() == "zero_pad2d [1, 2, 1, 2], conv2d 1→2 4×4; loss mse"
+    problem = make_problem((7, 6), 1, 0, network=network)
+    with torch.no_grad():
+        for name, value in problem.params.items():
+            module.get_parameter(name).copy_(torch.from_numpy(value))
+        expected = module(torch.from_numpy(problem.input)).double().numpy()
+    np.testing.assert_allclose(reference(problem, "cpu").output, expected, rtol=1e-5, atol=1e-6)
