@@ -138,7 +138,8 @@ def _module_layer(module: nn.Module, name: str) -> dict:
             raise ModelSpecError(f"{name}: Conv2d with padding_mode {module.padding_mode!r}: only zero padding "
                                  f"is supported")
         return {"name": name, "op": "conv2d", "in": module.in_channels, "out": module.out_channels,
-                "kernel": list(module.kernel_size), "stride": list(module.stride), "padding": module.padding if isinstance(module.padding, str) else list(module.padding),
+                "kernel": list(module.kernel_size), "stride": list(module.stride),
+                "padding": module.padding if isinstance(module.padding, str) else list(module.padding),
                 "dilation": list(module.dilation), "groups": module.groups, "bias": module.bias is not None}
     if isinstance(module, nn.Linear):
         return {"name": name, "op": "linear", "in": module.in_features, "out": module.out_features,

@@ -100,7 +100,8 @@ def _check_choices(layout, activations) -> None:
         except ValueError as exc:
             raise ProtocolError(f"protocol: layout: {exc}") from None
     if activations not in ACTIVATION_LAYOUTS:
-        raise ProtocolError(f"protocol: activations is {activations!r}: expected one of {', '.join(ACTIVATION_LAYOUTS)}")
+        raise ProtocolError(f"protocol: activations is {activations!r}: expected one of "
+                            f"{', '.join(ACTIVATION_LAYOUTS)}")
 
 
 def read_request(directory: str | Path, layout: str | None = None, activations: str = "NCHW") -> Request:

@@ -12,8 +12,9 @@ NHWC = ("NHWC", "HWIO", "NHWC")
 
 
 def loss_fn(p, x, t):
-    a = jax.nn.relu(jax.lax.conv_general_dilated(x, p["c1.weight"], (1, 1), "SAME", dimension_numbers=NHWC) + p["c1.bias"])
-    a = jax.nn.relu(jax.lax.conv_general_dilated(a, p["down.weight"], (2, 2), "SAME", dimension_numbers=NHWC) + p["down.bias"])
+    conv = lambda v, w, stride: jax.lax.conv_general_dilated(v, w, stride, "SAME", dimension_numbers=NHWC)  # noqa: E731
+    a = jax.nn.relu(conv(x, p["c1.weight"], (1, 1)) + p["c1.bias"])
+    a = jax.nn.relu(conv(a, p["down.weight"], (2, 2)) + p["down.bias"])
     window = lambda v: jax.lax.reduce_window(v, 0.0, jax.lax.add, (1, 3, 3, 1), (1, 1, 1, 1), "SAME")  # noqa: E731
     a = window(a) / window(jnp.ones_like(a))  # count_include_pad: false
     flat = jnp.transpose(a, (0, 3, 1, 2)).reshape(a.shape[0], -1)  # the lab flattens (C, H, W)

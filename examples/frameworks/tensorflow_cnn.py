@@ -19,7 +19,8 @@ def compute(request):
     with tf.GradientTape() as tape:
         a = x
         for k in (1, 2, 3):
-            a = tf.nn.conv2d(a, params[f"conv{k}.weight"], 1, [[0, 0], [1, 1], [1, 1], [0, 0]]) + params[f"conv{k}.bias"]
+            a = tf.nn.conv2d(a, params[f"conv{k}.weight"], 1, [[0, 0], [1, 1], [1, 1], [0, 0]])
+            a = a + params[f"conv{k}.bias"]
             a = tf.nn.relu(a) if k < 3 else a
         loss = tf.reduce_mean(tf.square(a - t))
     grads = tape.gradient(loss, params)

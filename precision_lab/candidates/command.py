@@ -293,8 +293,8 @@ class CommandProgram:
                     self._running.discard(process)
         if returncode != 0:
             status = f"killed by signal {-returncode}" if returncode < 0 else f"exited with status {returncode}"
-            raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): command {status}{_tail(stderr_path)}"
-                                        f"{_env_hint(stderr_path, self.env)}")
+            raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): command {status}"
+                                        f"{_tail(stderr_path)}{_env_hint(stderr_path, self.env)}")
         return time.perf_counter() - start
 
 
