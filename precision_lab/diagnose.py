@@ -65,6 +65,8 @@ class Diagnosis:
     main: Judgement
     probes: list[tuple[probe_set.Probe, Judgement]] = field(default_factory=list)
     repeats: dict = field(default_factory=dict)
+    probe_note: str | None = None  # how the probes were chosen when the network fixes the size
+    float64_build: dict | None = None  # the candidate's command_float64 against the float64 reference
 
     @property
     def verdict(self) -> str:
@@ -106,16 +108,22 @@ class Diagnosis:
                 if other and worst([chosen["verdict"], other["verdict"]]) != chosen["verdict"]:
                     chosen, where = other, probe.name
             parameters[name] = dict(chosen, problem=where)
+            if self.float64_build:
+                parameters[name]["float64_build"] = self.float64_build["quantities"].get(name)
         return {"candidate": self.candidate, "verdict": self.verdict, "claimed_precision": self.claimed_precision,
                 "layout_fix": deciding.layout_fix, "layout_advice": deciding.layout_advice, "format": deciding.format,
                 "cause": deciding.cause, "localisation": deciding.localisation,
                 "decided_by": "requested" if deciding is self.main else next(
                     p.name for p, j in self.probes if j is deciding),
                 "problem": main["problem"], "parameters": parameters, "forward": main["forward"],
-                "evidence": main["evidence"], "main": main, "probes": probes, "repeats": json_safe(self.repeats)}
+                "evidence": main["evidence"], "main": main, "probes": probes, "probe_note": self.probe_note,
+                "float64_build": json_safe(self.float64_build),
+                "repeats": json_safe(self.repeats)}
 
     def to_text(self) -> str:
         lines = [self.main.to_text()]
+        if self.probe_note:
+            lines.append(f"probes: {self.probe_note}")
         if self.repeats:
             lines.append(f"  repeats: {self.repeats['runs']} runs, largest run-to-run spread ÷ bound "
                          f"{self.repeats['worst_spread_ratio']:.3g} ({self.repeats['worst_quantity']})")
@@ -191,6 +199,8 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
     main = judge(result, trace, candidate.claimed_precision, candidate.name, fingerprint=fingerprint)
     if spread:
         _apply_spread(main, spread)
+    recompiled = _float64_build(candidate, problem, where, result, trace, main) if _has_float64_build(candidate) \
+        else None
     del trace
     judged = []
     for probe, (_, probe_problem) in zip(chosen, steps[1:]):
@@ -198,7 +208,42 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
         judged.append((probe, judge(probe_result, probe_trace, candidate.claimed_precision, candidate.name)))
         bar.update()
     bar.close()
-    return Diagnosis(main, judged, spread)
+    return Diagnosis(main, judged, spread, probe_set.fixed_size_note(problem.network, problem) if chosen else None,
+                     recompiled)
+
+
+def _has_float64_build(candidate: Candidate) -> bool:
+    """A program with `command_float64` whose claimed build is not already float64."""
+    return candidate.family == "command" and candidate.has_float64 and candidate.claimed_precision != "float64"
+
+
+def _float64_build(candidate: Candidate, problem: Problem, where, result32: Result, trace: Trace,
+                   main: Judgement) -> dict:
+    """The float64 recompilation (experiment 02) on the requested problem: the float64 build judged against the
+    float64 reference, and err64 ÷ err32 per quantity (rounding predicts u64/u32, a defect ≈ 1). An error that
+    persists in float64 is not rounding, whatever its size: a `roundoff` verdict becomes `defect`."""
+    from .experiments.float64_recompilation import EXPECTED_RATIO, VANISH_THRESHOLD, recompilation_rows
+
+    result64 = candidate.compute(problem, "float64", where)
+    judgement64 = judge(result64, trace, "float64", candidate.name, fingerprint=False, hypotheses=False)
+    rows = recompilation_rows(result32, result64, trace, problem.network.parameter_names)
+    persists = [row["quantity"] for row in rows if row["finding"] == "persists in float64"]
+    ratios = ", ".join(f"{row['quantity']} {row['ratio']:.2g}" for row in rows)
+    main.evidence.append(f"float64 build (command_float64): {judgement64.verdict} against the float64 reference; "
+                         f"err64 ÷ err32 {ratios} (rounding predicts {EXPECTED_RATIO:.2g}, a defect ≈ 1; "
+                         f"boundary {VANISH_THRESHOLD:.2g}): "
+                         + (f"persists in {', '.join(persists)}" if persists else "vanishes everywhere"))
+    if persists and main.verdict == "roundoff":
+        from .verdict import overall
+
+        for name in persists:
+            if name in main.quantities:
+                q = main.quantities[name]
+                q.verdict, q.cause = "defect", "the error persists in the float64 build (not rounding error)"
+        overall(main)
+    return {"verdict": judgement64.verdict, "expected_ratio_if_rounding": EXPECTED_RATIO,
+            "threshold": VANISH_THRESHOLD, "persists": persists,
+            "quantities": {row.pop("quantity"): row for row in rows}}
 
 
 def _bar(total: int, enabled: bool):

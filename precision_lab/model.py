@@ -323,7 +323,7 @@ def _network(spec: dict, where: str, original: dict) -> Network:
     if not isinstance(raw_layers, list) or not raw_layers:
         raise ModelSpecError(f"{where}: key 'layers' must be a non-empty list of layers")
     layers, names = [], {}
-    for index, raw in enumerate(raw_layers):
+    for index, raw in enumerate(_expand_padding(raw_layers, where)):
         layer = _layer(raw, index, names, where)
         if layer.name:
             names[layer.name] = index
@@ -332,6 +332,52 @@ def _network(spec: dict, where: str, original: dict) -> Network:
     network = Network(channels, tuple(layers), loss, dict(original), str(name))
     _check_chain(network, where)
     return network
+
+
+def _expand_padding(raw_layers: list, where: str) -> list:
+    """A conv2d with per-side padding ([top, bottom, left, right]) or "same"/"valid" (TensorFlow's rules) is a
+    zero_pad2d and the conv unpadded; symmetric padding stays the conv's own [height, width]."""
+    expanded = []
+    for index, raw in enumerate(raw_layers):
+        padding = raw.get("padding") if isinstance(raw, dict) and raw.get("op") == "conv2d" else None
+        if not (isinstance(padding, str) or (isinstance(padding, list) and len(padding) == 4)):
+            expanded.append(raw)
+            continue
+        label = f"{where}: {raw.get('name') or f'layer {index + 1} (conv2d)'}"
+        pads = _conv_pads(raw, padding, label)
+        if pads[0] == pads[1] and pads[2] == pads[3]:
+            expanded.append(dict(raw, padding=[pads[0], pads[2]]))
+        else:
+            multiple = raw.get("stride", 1) if padding == "same" else 1
+            expanded += [{"op": "zero_pad2d", "padding": list(pads), "multiple": multiple}, dict(raw, padding=0)]
+    return expanded
+
+
+def _conv_pads(raw: dict, padding, label: str) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right) of a conv2d's padding: a 4-list as given, "valid" none, "same" TensorFlow's
+    rule: total d·(k − 1) + 1 − s per axis (the input a multiple of the stride), the odd pixel at the bottom/right."""
+    if isinstance(padding, list):
+        if not all(_is_int(p) and p >= 0 for p in padding):
+            raise ModelSpecError(f"{label}: 'padding' is {padding!r}: expected [top, bottom, left, right], "
+                                 f"non-negative integers")
+        return tuple(padding)
+    if padding == "valid":
+        return (0, 0, 0, 0)
+    if padding != "same":
+        raise ModelSpecError(f"{label}: 'padding' is {padding!r}: expected an integer, [height, width], "
+                             f"[top, bottom, left, right], \"same\" or \"valid\"")
+    from .ops import as_pair
+
+    try:
+        kernel, stride, dilation = (as_pair(raw.get(key, default), key, 1)
+                                    for key, default in (("kernel", None), ("stride", 1), ("dilation", 1)))
+    except OpSpecError as exc:
+        raise ModelSpecError(f"{label}: {exc}") from None
+    pads = []
+    for axis in (0, 1):
+        total = max(dilation[axis] * (kernel[axis] - 1) + 1 - stride[axis], 0)
+        pads += [total // 2, total - total // 2]
+    return tuple(pads)
 
 
 def _layer(raw, index: int, names: dict[str, int], where: str) -> Layer:

@@ -71,7 +71,9 @@ class SpecModule(nn.Module):
             elif layer.op == "max_pool2d":
                 y = F.max_pool2d(inp, a["kernel"], a["stride"], a["padding"])
             elif layer.op == "avg_pool2d":
-                y = F.avg_pool2d(inp, a["kernel"], a["stride"], a["padding"])
+                y = F.avg_pool2d(inp, a["kernel"], a["stride"], a["padding"], count_include_pad=a["count_include_pad"])
+            elif layer.op == "zero_pad2d":
+                y = F.pad(inp, (a["padding"][2], a["padding"][3], a["padding"][0], a["padding"][1]))
             elif layer.op == "upsample_nearest":
                 y = F.interpolate(inp, scale_factor=a["scale"], mode="nearest")
             elif layer.op == "add":
@@ -132,11 +134,12 @@ def _sequential_layers(sequential: nn.Sequential, prefix: str = "") -> list[dict
 def _module_layer(module: nn.Module, name: str) -> dict:
     """The spec layer of one leaf module (named as in state_dict)."""
     if isinstance(module, nn.Conv2d):
-        if module.padding_mode != "zeros" or isinstance(module.padding, str):
-            raise ModelSpecError(f"{name}: Conv2d with padding {module.padding!r} / padding_mode "
-                                 f"{module.padding_mode!r}: only integer zero padding is supported")
+        if module.padding_mode != "zeros":
+            raise ModelSpecError(f"{name}: Conv2d with padding_mode {module.padding_mode!r}: only zero padding "
+                                 f"is supported")
         return {"name": name, "op": "conv2d", "in": module.in_channels, "out": module.out_channels,
-                "kernel": list(module.kernel_size), "stride": list(module.stride), "padding": list(module.padding),
+                "kernel": list(module.kernel_size), "stride": list(module.stride),
+                "padding": module.padding if isinstance(module.padding, str) else list(module.padding),
                 "dilation": list(module.dilation), "groups": module.groups, "bias": module.bias is not None}
     if isinstance(module, nn.Linear):
         return {"name": name, "op": "linear", "in": module.in_features, "out": module.out_features,
@@ -151,11 +154,17 @@ def _module_layer(module: nn.Module, name: str) -> dict:
     if isinstance(module, (nn.MaxPool2d, nn.AvgPool2d)):
         op = "max_pool2d" if isinstance(module, nn.MaxPool2d) else "avg_pool2d"
         if module.ceil_mode or getattr(module, "dilation", 1) not in (1, (1, 1)) or getattr(
-                module, "divisor_override", None) is not None or not getattr(module, "count_include_pad", True):
-            raise ModelSpecError(f"{name}: {type(module).__name__} with ceil_mode, dilation, divisor_override or "
-                                 f"count_include_pad=False is not supported")
-        return {"name": name, "op": op, "kernel": _pair(module.kernel_size), "stride": _pair(module.stride),
-                "padding": _pair(module.padding)}
+                module, "divisor_override", None) is not None:
+            raise ModelSpecError(f"{name}: {type(module).__name__} with ceil_mode, dilation or divisor_override "
+                                 f"is not supported")
+        layer = {"name": name, "op": op, "kernel": _pair(module.kernel_size), "stride": _pair(module.stride),
+                 "padding": _pair(module.padding)}
+        if op == "avg_pool2d" and not module.count_include_pad:
+            layer["count_include_pad"] = False
+        return layer
+    if isinstance(module, nn.ZeroPad2d):
+        left, right, top, bottom = module.padding
+        return {"name": name, "op": "zero_pad2d", "padding": [top, bottom, left, right]}
     if isinstance(module, nn.Upsample):
         if module.mode != "nearest" or module.scale_factor is None:
             raise ModelSpecError(f"{name}: Upsample(mode={module.mode!r}, scale_factor={module.scale_factor}) — "

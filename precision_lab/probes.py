@@ -11,15 +11,18 @@ gradient hides others. So a diagnosis judges, besides the requested problem, the
 | `odd-33x47-batch3` | 33×47 | 3 | batch 3 and another odd size: bugs that read only some samples or mix the batch axis with another |
 | `seed1-random-targets` | 45×39 | as asked | another seed and random targets: an upstream gradient without smooth structure, where slips that cancel on smooth gradients show |
 
-A network that cannot take a size (strides, pools, a linear layer after a flatten) gets the
-nearest size it takes, odd and non-square where it can. Probes use synthetic micrographs.
+A network that cannot take a size (strides, pools) gets the nearest size it takes, odd and
+non-square where it can, never one the size parser refuses (each side ≥ problem.MIN_SIDE). A
+network with a fixed input size (a flatten feeding a linear layer) keeps the requested problem's
+size: another size of the same area (3×12 for 6×6) would change what the linear layer reads, so
+its probes vary batch, seed and targets there instead, and say so. Probes use synthetic micrographs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .errors import LabInputError
-from .problem import Problem, make_problem
+from .problem import MIN_SIDE, Problem, make_problem
 
 
 @dataclass(frozen=True)
@@ -58,12 +61,28 @@ def select(spec: str | None) -> list[Probe]:
     return chosen
 
 
-def probe_size(probe: Probe, network) -> tuple[int, int]:
-    """The probe's size, or the nearest the network takes (odd and non-square first)."""
+#: how a probe of a fixed-size network differs from the requested problem besides its own batch,
+#: seed and targets: the odd-size probe becomes one more sample and another seed at the same size
+FIXED_SIZE_EXTRA = {"odd-61x67": (1, 2)}
+
+
+def fixed_size_note(network, main: Problem) -> str | None:
+    """What the probes do instead of other sizes when `network` takes one input size only."""
+    if not network.has_fixed_size:
+        return None
+    return (f"the network takes {main.height}×{main.width} only (a flatten feeds a linear layer): the probes "
+            f"vary batch, seed and targets at that size")
+
+
+def probe_size(probe: Probe, network, main_size: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The probe's size, or the nearest the network takes (odd and non-square first, each side ≥ MIN_SIDE);
+    for a fixed-size network, the requested problem's size `main_size`."""
+    if network.has_fixed_size and main_size is not None:
+        return main_size
     height, width = probe.size
     if network.fits(height, width):
         return height, width
-    near = network.sizes_near(height, width, limit=32)
+    near = [hw for hw in network.sizes_near(height, width, limit=64) if min(hw) >= MIN_SIDE][:32]
     if not near:
         return network.default_size(max(height, width))
     preferred = [hw for hw in near if hw[0] != hw[1] and hw[0] % 2 and hw[1] % 2]
@@ -73,5 +92,8 @@ def probe_size(probe: Probe, network) -> tuple[int, int]:
 
 def probe_problem(probe: Probe, main: Problem) -> Problem:
     """The probe's problem for the network of `main`."""
-    return make_problem(probe_size(probe, main.network), probe.batch or main.batch,
-                        max(main.seed, 0) + probe.seed_offset, network=main.network, targets=probe.targets)
+    network = main.network
+    extra_batch, extra_seed = FIXED_SIZE_EXTRA.get(probe.name, (0, 0)) if network.has_fixed_size else (0, 0)
+    return make_problem(probe_size(probe, network, (main.height, main.width)),
+                        (probe.batch or main.batch) + extra_batch, max(main.seed, 0) + probe.seed_offset + extra_seed,
+                        network=network, targets=probe.targets)

@@ -293,8 +293,28 @@ class CommandProgram:
                     self._running.discard(process)
         if returncode != 0:
             status = f"killed by signal {-returncode}" if returncode < 0 else f"exited with status {returncode}"
-            raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): command {status}{_tail(stderr_path)}")
+            raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): command {status}"
+                                        f"{_tail(stderr_path)}{_env_hint(stderr_path, self.env)}")
         return time.perf_counter() - start
+
+
+#: what a program that needs a variable of the user's shell says when it fails at start-up
+START_UP_FAILURES = ("ModuleNotFoundError", "ImportError", "No module named", "error while loading shared libraries",
+                     "command not found", "No such file or directory", "KeyError: '", "no usable devices",
+                     "environment variable")
+
+
+def _env_hint(stderr_path: Path, env: dict[str, str]) -> str:
+    """A hint when a failure looks like a missing environment: the lab passes only documented variables."""
+    try:
+        text = stderr_path.read_text(errors="replace")[-4000:]
+    except OSError:
+        return ""
+    if not any(marker in text for marker in START_UP_FAILURES):
+        return ""
+    given = f" (it sets {', '.join(sorted(env))})" if env else ""
+    return (f"; if it needs variables of your shell (PYTHONPATH, a backend such as DEV=CPU, a licence), add them "
+            f"to the YAML's `env`{given}: the lab passes only PATH, HOME and the variables docs/external.md §2 lists")
 
 
 def _kill_group(process: subprocess.Popen) -> None:

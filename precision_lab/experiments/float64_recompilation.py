@@ -51,18 +51,26 @@ def recompilation_table(problem: Problem, candidates: list[Candidate], device: t
         if result64 is None:
             notes.append(f"{candidate.name} has no float64 build: without it the error cannot be shown to vanish "
                          "with the arithmetic, so this experiment cannot tell rounding from a defect for it")
-        quantities = [("loss", np.float64(result32.loss), np.float64(ref.loss),
-                       None if result64 is None else np.float64(result64.loss))]
-        quantities += [(name, result32.grads[name], ref.grads[name],
-                        None if result64 is None else result64.grads[name]) for name in problem.network.parameter_names]
-        for name, got32, want, got64 in quantities:
-            err32 = _max_err(got32, want)
-            err64 = math.nan if got64 is None else _max_err(got64, want)
-            ratio = err64 / err32 if err32 > 0 else math.nan
-            rows.append({"candidate": candidate.name, "quantity": name, "err32": err32, "err64": err64,
-                         "ratio": ratio, "expected_ratio_if_rounding": EXPECTED_RATIO,
-                         "finding": _finding(ratio, err32, err64)})
+        rows += [{"candidate": candidate.name, **row}
+                 for row in recompilation_rows(result32, result64, ref, problem.network.parameter_names)]
     return pd.DataFrame(rows), judgements, notes
+
+
+def recompilation_rows(result32, result64, ref, names) -> list[dict]:
+    """Per quantity (loss, then the parameters `names`): err32 and err64, the largest |build − float64 reference|
+    of each build (err64 NaN without a float64 build), their ratio and what it shows (`_finding`)."""
+    quantities = [("loss", np.float64(result32.loss), np.float64(ref.loss),
+                   None if result64 is None else np.float64(result64.loss))]
+    quantities += [(name, result32.grads[name], ref.grads[name], None if result64 is None else result64.grads[name])
+                   for name in names]
+    rows = []
+    for name, got32, want, got64 in quantities:
+        err32 = _max_err(got32, want)
+        err64 = math.nan if got64 is None else _max_err(got64, want)
+        ratio = err64 / err32 if err32 > 0 else math.nan
+        rows.append({"quantity": name, "err32": err32, "err64": err64, "ratio": ratio,
+                     "expected_ratio_if_rounding": EXPECTED_RATIO, "finding": _finding(ratio, err32, err64)})
+    return rows
 
 
 def _finding(ratio: float, err32: float, err64: float) -> str:

@@ -1,4 +1,4 @@
-"""Ops that route values: max_pool2d, avg_pool2d, upsample_nearest, add, concat, flatten.
+"""Ops that route values: max_pool2d, avg_pool2d, upsample_nearest, add, concat, flatten, zero_pad2d.
 
 Rounding: max-pool, upsample, concat and flatten copy values exactly; avg-pool sums k² terms and
 divides; add rounds once; the backward of upsample sums s² gradients and that of avg-pool up to
@@ -143,9 +143,21 @@ def _pads(attrs):
 
 class AvgPool2d(Pool):
     name = "avg_pool2d"
+    # PyTorch's flag and default: divide by k² (True) or by the window's in-bounds count (False, as TF's SAME)
+    keys = {**Pool.keys, "count_include_pad": True}
+
+    def check(self, attrs):
+        if not isinstance(attrs["count_include_pad"], bool):
+            raise OpSpecError(f"'count_include_pad' is {attrs['count_include_pad']!r}: expected true or false")
+        return super().check(attrs)
+
+    def describe(self, attrs):
+        return super().describe(attrs) + ("" if attrs["count_include_pad"] else " (padding not counted)")
 
     def forward(self, attrs, xs, params, kernels):
-        return F.avg_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"])
+        # the error model calls this too (on |a| and on errors): S and the divisor follow the flag
+        return F.avg_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"],
+                            count_include_pad=attrs["count_include_pad"])
 
     def _terms(self, attrs) -> int:
         return attrs["kernel"][0] * attrs["kernel"][1]
@@ -324,9 +336,69 @@ class Flatten(Op):
         return [GradField(grad.error.reshape(shape), flips, None, grad.flip_count)], {}
 
 
+class ZeroPad2d(Op):
+    """Zeros added on each side, [top, bottom, left, right] (Keras ZeroPadding2D, PyTorch nn.ZeroPad2d); a
+    conv2d with per-side or "same" padding is this and an unpadded conv2d (precision_lab.model)."""
+
+    name = "zero_pad2d"
+    # `multiple`: the input side must be a multiple of it (TF's "same" with a stride pads so only then)
+    keys = {"padding": REQUIRED, "multiple": 1}
+
+    def check(self, attrs):
+        pads = attrs["padding"]
+        if not (isinstance(pads, (list, tuple)) and len(pads) == 4
+                and all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pads)):
+            raise OpSpecError(f"'padding' is {pads!r}: expected [top, bottom, left, right], non-negative integers")
+        attrs["padding"] = tuple(pads)
+        attrs["multiple"] = as_pair(attrs["multiple"], "multiple", 1)
+        return attrs
+
+    def out_shape(self, attrs, in_shapes):
+        _image(in_shapes[0], self.name)
+        return (in_shapes[0][0],) + tuple(self.axis_length(attrs, [in_shapes[0][1 + a]], a) for a in (0, 1))
+
+    def axis_length(self, attrs, lengths, axis):
+        length, multiple = lengths[0], attrs["multiple"][axis]
+        if length is None:
+            return None
+        if length % multiple:
+            raise OpSpecError(f"input {('height', 'width')[axis]} {length} is not a multiple of the stride {multiple} "
+                              f"(\"same\" padding pads so only then): choose an image size the strides divide")
+        return length + attrs["padding"][2 * axis] + attrs["padding"][2 * axis + 1]
+
+    def describe(self, attrs):
+        return f"zero_pad2d {list(attrs['padding'])}"
+
+    def _torch_pads(self, attrs):
+        top, bottom, left, right = attrs["padding"]
+        return (left, right, top, bottom)
+
+    def _crop(self, attrs, t):
+        top, bottom, left, right = attrs["padding"]
+        return t[:, :, top:t.shape[2] - bottom, left:t.shape[3] - right]
+
+    def forward(self, attrs, xs, params, kernels):
+        return F.pad(xs[0], self._torch_pads(attrs))
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return [self._crop(attrs, g).contiguous() if need[0] else None], {}
+
+    def forward_error(self, attrs, ins, y, params, ctx):
+        # zeros are exact; the copies carry their errors (a shift of the grid: radii unchanged)
+        error = ins[0].error
+        return Field(y, None if error is None else F.pad(error, self._torch_pads(attrs)), ins[0].radius, ins[0].flips,
+                     nonnegative=ins[0].nonnegative)
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        if not need[0]:
+            return [None], {}
+        flips = self._crop(attrs, grad.flips).contiguous() if grad.flips is not None else None
+        return [GradField(self._crop(attrs, grad.error).contiguous(), flips, grad.radius, grad.flip_count)], {}
+
+
 def _text(shape) -> str:
     return "(" + ", ".join("?" if s is None else str(s) for s in shape) + ")"
 
 
-for _op in (MaxPool2d(), AvgPool2d(), UpsampleNearest(), Add(), Concat(), Flatten()):
+for _op in (MaxPool2d(), AvgPool2d(), UpsampleNearest(), Add(), Concat(), Flatten(), ZeroPad2d()):
     register(_op)

@@ -1,0 +1,206 @@
+"""Write a candidate in Python: a request in *your* layout and dtype in, your loss and gradients out.
+
+A command candidate (docs/external.md §2) reads a request bundle and writes a response bundle.
+This module is that exchange for a Python program, so a framework candidate is ~10–20 lines:
+
+    from precision_lab import protocol
+
+    def compute(request):                       # arrays in the layouts you asked for, request.dtype
+        loss, grads, output = my_framework_step(request.input, request.target, request.params)
+        return loss, grads, output              # grads: {parameter name: array in your layout}
+
+    protocol.run(compute, layout="HWIO", activations="NHWC")   # argv: REQUEST_DIR RESPONSE_DIR
+
+The contract (stable, like the exchange format it reads and writes):
+
+* ``layout``: the weight layout your code holds, any permutation of O, I, H, W (default: the
+  request's, i.e. the YAML's `weight_layout`). 4-D weights come in that layout; 2-D (linear)
+  weights keep its relative order of O and I (HWIO → IO, as Keras and Flax hold a dense kernel;
+  OIHW → OI, as PyTorch and tinygrad do). Gradients go back in the same layout.
+* ``activations``: "NCHW" (default) or "NHWC": the layout of 4-D `input`, `target` and `output`.
+* ``dtype``: arrays are the request's exchange dtype (float32, or float64 for a float64 build;
+  tf32/bfloat16/float16 claims exchange float32); int64 class targets stay int64.
+* The response is written in the request's format (npz or raw binaries), its `precision` and
+  `weight_layout`, each gradient converted from your layout to the request's. Declare in the YAML
+  the layout your framework holds: then nothing is converted and the layout doctor reads the
+  gradient buffer exactly as your framework wrote it.
+* A request or response that breaks the contract (a missing or extra gradient, a wrong shape or
+  dtype, NaN/Inf) raises `ProtocolError`; `run` prints it as one line and exits 2.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from . import bundle as exchange
+from .errors import LabInputError
+from .layout import check_layout, from_layout, layout_for, shape_in_layout, to_layout
+from .model import Network
+
+ACTIVATION_LAYOUTS = ("NCHW", "NHWC")
+#: exit status for a request or response that breaks the contract (the lab's bad-input status)
+EXIT_BAD_INPUT = 2
+
+
+class ProtocolError(LabInputError):
+    """A request or response that breaks the exchange contract: one line naming the array and the fix."""
+
+
+@dataclass
+class Request:
+    """A request as your code wants it: arrays in your layouts and the exchange dtype."""
+
+    path: Path
+    precision: str  # the claimed precision: float32, float64, tf32, bfloat16, float16
+    dtype: np.dtype  # the exchange dtype of every float array (float32 or float64)
+    layout: str  # the weight layout of `params` and of the gradients you return
+    activations: str  # NCHW or NHWC: the layout of 4-D input, target and output
+    input: np.ndarray
+    target: np.ndarray
+    params: dict[str, np.ndarray]
+    network: Network  # the network the lab computes (request.model is its spec)
+    request_layout: str  # the weight layout written in the request (the YAML's weight_layout)
+    raw: bool = False  # the request came as raw binaries: the response goes back the same way
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def model(self) -> dict:
+        """The model spec as bundle.json carries it (seed form or layer form; docs/models.md)."""
+        return self.network.to_json()
+
+    @property
+    def parameter_names(self) -> tuple[str, ...]:
+        return self.network.parameter_names
+
+    def shape_of(self, parameter: str) -> tuple[int, ...]:
+        """The shape of `parameter` (and of its gradient) in your layout."""
+        return shape_in_layout(self.network.param_shapes[parameter], self.layout)
+
+    def layer(self, name: str) -> dict:
+        """A layer's attributes by name (e.g. request.layer('conv1')['padding']), defaults filled in."""
+        return dict(self.network.layers[self.network.index_of(name)].attrs)
+
+
+def _nhwc(array: np.ndarray, activations: str) -> np.ndarray:
+    return np.ascontiguousarray(array.transpose(0, 2, 3, 1)) if activations == "NHWC" and array.ndim == 4 else array
+
+
+def _nchw(array: np.ndarray, activations: str) -> np.ndarray:
+    return np.ascontiguousarray(array.transpose(0, 3, 1, 2)) if activations == "NHWC" and array.ndim == 4 else array
+
+
+def _check_choices(layout, activations) -> None:
+    if layout is not None:
+        try:
+            check_layout(layout)
+        except ValueError as exc:
+            raise ProtocolError(f"protocol: layout: {exc}") from None
+    if activations not in ACTIVATION_LAYOUTS:
+        raise ProtocolError(f"protocol: activations is {activations!r}: expected one of "
+                            f"{', '.join(ACTIVATION_LAYOUTS)}")
+
+
+def read_request(directory: str | Path, layout: str | None = None, activations: str = "NCHW") -> Request:
+    """Read and validate a request bundle (npz or raw, C or F order) into arrays in your layouts.
+
+    `layout`: your weight layout (None: the request's own); `activations`: NCHW or NHWC.
+    """
+    _check_choices(layout, activations)
+    try:
+        found = exchange.read_bundle(directory, ("request",))
+    except exchange.BundleError as exc:
+        raise ProtocolError(str(exc)) from None
+    layout = layout or found.weight_layout
+    network = found.network
+    params = {name: to_layout(from_layout(found.arrays[name], found.weight_layout), layout)
+              for name in network.parameter_names}
+    return Request(Path(directory), found.precision, found.arrays["input"].dtype, layout, activations,
+                   _nhwc(found.arrays["input"], activations), _nhwc(found.arrays["target"], activations), params,
+                   network, found.weight_layout, "arrays" in found.manifest, found.manifest)
+
+
+def _as_array(where: str, name: str, value, dtype: np.dtype) -> np.ndarray:
+    """A framework value as a numpy array of the exchange dtype; a different float width is refused."""
+    array = np.asarray(value)
+    if array.dtype.kind != "f":
+        raise ProtocolError(f"{where}: {name!r} has dtype {array.dtype}, expected {dtype} (floating point)")
+    if array.dtype != dtype and array.ndim > 0:
+        raise ProtocolError(f"{where}: {name!r} has dtype {array.dtype}, expected {dtype} as in the request "
+                            f"(compute in {dtype}: a float64 request is the float64 build)")
+    return array.astype(dtype, copy=False)
+
+
+def response_arrays(request: Request, loss, grads: dict, output=None) -> dict[str, np.ndarray]:
+    """The response arrays in the request's layout and dtype, every name and shape checked first."""
+    where = f"response to {request.path}"
+    if not isinstance(grads, dict):
+        raise ProtocolError(f"{where}: gradients must be a dict {{parameter name: array}}, got {type(grads).__name__}")
+    names = request.parameter_names
+    missing = [name for name in names if name not in grads]
+    if missing:
+        raise ProtocolError(f"{where}: no gradient for {missing[0]!r} (expected one per parameter: {', '.join(names)})")
+    extra = sorted(set(grads) - set(names))
+    if extra:
+        raise ProtocolError(f"{where}: {extra[0]!r} is not a parameter of the network (parameters: {', '.join(names)})")
+    loss = _as_array(where, "loss", loss, request.dtype)
+    if loss.size != 1:
+        raise ProtocolError(f"{where}: 'loss' has shape {loss.shape}, expected a scalar")
+    arrays = {"loss": np.asarray(loss.reshape(()), request.dtype)}
+    for name in names:
+        grad = _as_array(where, f"{name}.grad", grads[name], request.dtype)
+        expected = request.shape_of(name)
+        if grad.shape != expected:
+            held = layout_for(len(expected), request.layout)
+            raise ProtocolError(f"{where}: gradient of {name!r} has shape {grad.shape}, expected {expected} "
+                                f"(layout {held}, as its weight came)")
+        arrays[f"{name}.grad"] = to_layout(from_layout(grad, request.layout), request.request_layout)
+    if output is not None:
+        batch, _, height, width = _nchw(request.input, request.activations).shape
+        shape = (batch, *request.network.output_shape(height, width))
+        value = _nchw(_as_array(where, "output", output, request.dtype), request.activations)
+        if value.shape != shape:
+            raise ProtocolError(f"{where}: 'output' has shape {_nhwc(value, request.activations).shape}, expected "
+                                f"{_nhwc(np.empty(shape, bool), request.activations).shape} ({request.activations})")
+        arrays["output"] = value
+    for name, value in arrays.items():
+        if not np.isfinite(value).all():
+            raise ProtocolError(f"{where}: {name!r} holds NaN or infinite values; expected finite numbers")
+    return arrays
+
+
+def write_response(directory: str | Path, request: Request, loss, grads: dict, output=None) -> Path:
+    """Write the response bundle: `loss` (a scalar), `grads` {parameter: array in your layout}, and
+    optionally the network `output` (in your activation layout), in the request's format and layout."""
+    arrays = response_arrays(request, loss, grads, output)
+    return exchange.write_bundle(directory, "response", request.precision, request.request_layout, arrays,
+                                 raw=request.raw, network=request.network)
+
+
+def run(compute: Callable[[Request], tuple], layout: str | None = None, activations: str = "NCHW",
+        argv: list[str] | None = None) -> None:
+    """A candidate's main: read argv's REQUEST_DIR, call `compute(request)`, write RESPONSE_DIR.
+
+    `compute` returns (loss, grads) or (loss, grads, output). A request or response that breaks the
+    contract ends the program with one line on stderr and exit status 2.
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    if len(args) != 2:
+        print(f"usage: {Path(sys.argv[0]).name} REQUEST_DIR RESPONSE_DIR", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+    try:
+        request = read_request(args[0], layout, activations)
+        answer = compute(request)
+        if not isinstance(answer, tuple) or len(answer) not in (2, 3):
+            raise ProtocolError("protocol: compute(request) must return (loss, grads) or (loss, grads, output)")
+        write_response(args[1], request, *answer)
+    except LabInputError as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT) from None
+
+
+__all__ = ["ACTIVATION_LAYOUTS", "ProtocolError", "Request", "read_request", "response_arrays", "run",
+           "write_response"]

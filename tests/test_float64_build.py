@@ -1,0 +1,56 @@
+"""`diagnose` runs a command candidate's `command_float64`: the float64 build against the float64 reference and
+err64 ÷ err32 per quantity, so an error inside the float32 bound that does not shrink in float64 is a defect."""
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from precision_lab import cli
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "python"
+# the numpy example, with conv3's bias gradient scaled by 1 + 1e-6 in both builds when asked: a bug of
+# ~17 float32 ulps, inside the float32 bound of that 288-term sum, but a million times float64's rounding
+PROGRAM = textwrap.dedent('''
+    import sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[4])
+    import candidate
+    candidate.main(sys.argv[1], sys.argv[2])
+    if sys.argv[3] == "scaled":
+        path = sys.argv[2] + "/arrays.npz"
+        with np.load(path) as data:
+            arrays = dict(data)
+        grad = arrays["conv3.bias.grad"]
+        arrays["conv3.bias.grad"] = (grad * (1 + 1e-6)).astype(grad.dtype)
+        np.savez(path, **arrays)
+''')
+
+
+def _candidate(tmp_path: Path, mode: str) -> Path:
+    (tmp_path / "program.py").write_text(PROGRAM)
+    argv = f'["{{python}}", program.py, "{{request}}", "{{response}}", {mode}, "{EXAMPLE}"]'
+    (tmp_path / "c.yaml").write_text(f"name: numpy-{mode}\ncommand: {argv}\ncommand_float64: {argv}\n"
+                                     f"precision: float32\nweight_layout: HWIO\n")
+    return tmp_path / "c.yaml"
+
+
+@pytest.mark.parametrize("mode,code", [("right", 0), ("scaled", 1)])
+def test_float64_build_ratio_separates_rounding_from_a_small_bug(tmp_path, capsys, mode, code):
+    out = tmp_path / "v.json"
+    assert cli.main(["diagnose", "--candidate", str(_candidate(tmp_path, mode)), "--size", "12",
+                     "--probes", "none", "--json", str(out)]) == code
+    text = capsys.readouterr().out
+    verdict = json.loads(out.read_text())
+    build = verdict["float64_build"]
+    ratio = build["quantities"]["conv3.bias"]["ratio"]
+    assert "err64 ÷ err32" in text and verdict["parameters"]["conv3.bias"]["float64_build"]["ratio"] == ratio
+    if mode == "right":
+        assert ratio < 1e-6 and build["persists"] == [] and verdict["verdict"] == "roundoff"
+    else:
+        # the float32 bound alone passes it; the float64 build shows it is not rounding
+        assert verdict["main"]["parameters"]["conv3.bias"]["bound_ratio"] < 1
+        assert ratio > 0.1 and build["persists"] == ["conv3.bias"] and verdict["verdict"] == "defect"
+        assert "persists in the float64 build" in verdict["parameters"]["conv3.bias"]["cause"]
