@@ -271,15 +271,27 @@ def _dot(grads: dict[str, np.ndarray], displacement: dict[str, np.ndarray]) -> f
 
 
 def tensor_scales(base: dict[str, np.ndarray]) -> dict[str, float]:
-    """‖w‖ per tensor; an all-zero tensor (a bias at initialisation) takes the parameters' RMS × √n."""
-    total = math.sqrt(sum(float(np.sum(v * v)) for v in base.values()))
-    count = sum(v.size for v in base.values())
+    """‖w‖ per tensor, each from itself: a tensor whose norm dwarfs the others' (a bias at −7e4 beside
+    weights ~0.1) must not set their steps. An all-zero tensor (a bias at initialisation) takes the
+    median RMS element of the non-zero tensors × √n (1 per element when every tensor is zero)."""
+    rms = sorted(float(np.sqrt(np.mean(v * v))) for v in base.values() if np.any(v))
+    typical = rms[len(rms) // 2] if rms else 1.0
     scales = {}
     for name, value in base.items():
         norm = float(np.linalg.norm(value))
-        floor = total * math.sqrt(value.size / count) if total > 0 else math.sqrt(value.size)
-        scales[name] = norm if norm > 1e-3 * floor else floor
+        scales[name] = norm if norm > 0 else typical * math.sqrt(value.size)
     return scales
+
+
+def tensor_step(value: np.ndarray, size: float, storage: np.dtype, multipliers, rng: np.random.Generator) -> np.ndarray:
+    """A random direction of norm ≈ `size` over one tensor, exact on the build's grid at every multiplier;
+    never all zero: a size below the elements' ulps is raised until some of them move."""
+    for _ in range(64):
+        step = on_grid(value, size * _unit(rng, value.shape), storage, multipliers)
+        if np.any(step):
+            return step
+        size *= 4.0
+    raise GradCheckError(f"no step of a tensor of shape {value.shape} is exact in {storage} (non-finite values?)")
 
 
 def _unit(rng: np.random.Generator, shape) -> np.ndarray:
@@ -375,7 +387,7 @@ def measure_noise(calls: Calls, build: str, precision: str, base: dict[str, np.n
     """σ_L and σ_g from 6 points around the base along one random line (linear fit, 5 dof)."""
     storage = np.dtype("float64" if precision == "float64" else "float32")
     relative = NOISE_ULPS * formats.unit_roundoff(precision)
-    displacement = {name: on_grid(value, relative * scales[name] * _unit(rng, value.shape), storage, NOISE_MULTIPLIERS)
+    displacement = {name: tensor_step(value, relative * scales[name], storage, NOISE_MULTIPLIERS, rng)
                     for name, value in base.items()}
     evaluations = {0: at_base}
     for m in NOISE_MULTIPLIERS:
@@ -1012,9 +1024,9 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
         # the whole-vector directions: on the claimed build's grid when both builds answer there
         whole_grid = claimed_storage if has_float64 else fd_storage
         whole_multipliers = (1, -1) if has_float64 else multipliers
-        whole_steps = [{name: on_grid(value, step * scales[name] * _unit(rng, value.shape), whole_grid, whole_multipliers)
+        whole_steps = [{name: tensor_step(value, step * scales[name], whole_grid, whole_multipliers, rng)
                         for name, value in base.items()} for _ in range(COMPARISON_LINES if has_float64 else 1)]
-        tensor_steps = {name: {name: on_grid(value, step * scales[name] * _unit(rng, value.shape), fd_storage, multipliers)}
+        tensor_steps = {name: {name: tensor_step(value, step * scales[name], fd_storage, multipliers, rng)}
                         for name, value in base.items()}
 
         # the claimed build at the same points: its noise and its errors against float64
@@ -1132,8 +1144,7 @@ def _refine(checker: Checker, tensor_directions: dict[str, list[Direction]], who
                  if ds[-1].outcome == "undecided" and len(ds) < MAX_DIRECTIONS]
         if not open_ones and retry:
             for name in retry:
-                displacement = {name: on_grid(base[name], step * scales[name] * _unit(rng, base[name].shape), storage,
-                                              multipliers)}
+                displacement = {name: tensor_step(base[name], step * scales[name], storage, multipliers, rng)}
                 direction = checker.direction(f"{name} along a second random unit direction", displacement)
                 tensor_directions[name].append(direction)
                 open_ones.append(direction)
