@@ -19,8 +19,9 @@ What the check spends its program calls on, in order:
    Richardson (Romberg) step of the trapezoid rule — so the residual
    R = L(+h) − L(−h) − h·(f₋ + 4f₀ + f₊)/3 (f = g·d) is O(h⁵) for a smooth loss and
    −2h × (error of the claimed directional derivative) for a wrong gradient. Its standard error
-   follows from σ_L and σ_g, so each comparison reads "agrees within its uncertainty" or
-   "disagrees by k standard errors" (Student t with the noise fit's degrees of freedom).
+   follows from σ_L and σ_g, so each comparison reads "agrees within its bound" (k_crit standard errors
+   plus the kink allowance, both printed) or "disagrees by k standard errors beyond the kink allowance"
+   (Student t with the noise fit's degrees of freedom).
    **Kinks** (ReLU, max, clamps, spline knots): the two one-sided halves (trapezoids on [−h, 0]
    and [0, h]) agree for a smooth loss; a kink inside one of them breaks that, and a residual
    that does not shrink like a truncation error as h shrinks is not evidence either. The step is
@@ -32,6 +33,15 @@ What the check spends its program calls on, in order:
    directions on the float32 grid) both builds answer; the difference is the claimed build's
    rounding error plus any bug. Rounding changes from point to point (its spread is measured
    there, and predicted from the float64 build's own noise × u_claimed/u64); a bug persists.
+2′. **No float64 build** (or one that does not compute in float64): short differences in float32
+   resolve g·d only to ~u^(2/3), far from settling anything. Instead each tensor moves along one
+   long segment, ±SEGMENT_FRACTION·‖w‖, and the exact identity
+   L(w + Δ) − L(w − Δ) = ∫₋₁¹ g(w + tΔ)·Δ dt is checked with the program's own gradients at
+   uniform nodes (see `Segment`): the loss difference is then of the size of the loss, its rounding
+   ~u relative. Smooth integrands (nested trapezoid sums converging like h²): Simpson, with the
+   coarser Simpson as its error bound; kinks (ReLU, max, clamps): each panel is its own identity,
+   and a wrong gradient shifts every panel's residual in proportion to its integral (a fit with a
+   Student t). Calls left halve the panels of the least resolved segment.
 4. **Localisation.** A direction that fails is restricted to halves of the tensor (rows, then
    columns, … down to single elements) to name where the gradient is wrong; a float32-only
    error is located element by element from 3. at no extra cost.
@@ -371,11 +381,17 @@ class Noise:
     slope: float = math.nan  # the fitted loss change per unit step along the noise line
     slope_sigma: float = math.nan
     predicted_slope: float = math.nan  # what the gradient says it is
+    identical: bool = False  # the loss is the same number at every noise point while the gradient is not zero
+    single_losses: bool = False  # every loss is a float32 number
 
     @property
     def responsive(self) -> bool:
         """False when the loss ignores steps of a few ulps that its gradient says are far beyond its noise:
-        the build rounds its parameters to a coarser format (a "float64" build that computes in float32)."""
+        the build rounds its parameters to a coarser format (a "float64" build that computes in float32).
+        A float64 build's loss that is the same number at all 7 points says so too, whatever the gradient's
+        size: float64 arithmetic re-rounds at every point, so identical results need a coarser format."""
+        if self.identical and self.precision == "float64":
+            return False
         flat = abs(self.slope) <= ALPHA_CRITICAL_FLAT * self.slope_sigma
         return not (flat and abs(self.predicted_slope) > 2 * ALPHA_CRITICAL_FLAT * max(self.slope_sigma, 1e-300))
 
@@ -416,8 +432,11 @@ def measure_noise(calls: Calls, build: str, precision: str, base: dict[str, np.n
         stacked = np.stack([evaluations[m].grads[name].ravel() for m in sorted(evaluations)])
         fitted = np.sqrt(np.sum((projector @ stacked) ** 2, axis=0) / dof)
         grad_sigma[name] = np.maximum(fitted, u * np.max(np.abs(stacked), axis=0)).reshape(base[name].shape)
+    moving = any(np.any(evaluations[0].grads[name]) for name in base)
     return Noise(build, precision, at_base.loss, loss_sigma, dof, grad_sigma, slope=slope, slope_sigma=slope_sigma,
-                 predicted_slope=_dot(at_base.grads, displacement))
+                 predicted_slope=_dot(at_base.grads, displacement),
+                 identical=bool(moving and np.all(losses == losses[0])),
+                 single_losses=bool(np.all(losses.astype(np.float32).astype(np.float64) == losses)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,11 +514,13 @@ class Direction:
         steps = _step_names(range(len(self.levels)))
         norm = self.norm()
         derivative = (self.claimed - level.error) / norm
-        words = {"agree": "agrees within its uncertainty", "disagree": f"disagrees by {level.k:.3g} standard errors",
+        words = {"agree": "agrees within its bound", "disagree": f"disagrees by {level.k:.3g} standard errors beyond the kink allowance",
                  "undecided": "inconclusive", "budget": "budget spent",
                  "open": "not followed up (a tensor explains the disagreement)"}[self.outcome]
         text = (f"{self.label}: the loss changes at {derivative:.10g}, the gradient says {self.claimed / norm:.10g}"
-                f" (difference {level.error / norm:.3g} ± {level.error_sigma / norm:.2g}, relative "
+                f" (difference {level.error / norm:.3g}, bound {level.bound / norm:.3g} = {level.critical:.3g}σ with σ = "
+                f"{level.error_sigma / norm:.2g}" + (f", plus {level.allowance / norm:.2g} for kinks" if level.allowance else "")
+                + f"; relative "
                 f"{level.error / self.scale:.2g}; steps {steps}, h = {self.levels[0].step:.3g}): {words}")
         return text + (f"; {self.reason}" if self.reason else "")
 
@@ -1091,7 +1112,7 @@ class Segment:
         words = {"agree": "agrees within its bound", "disagree": f"disagrees ({abs(self.residual) / self.bound:.3g}× its bound)"}
         return (f"{self.label}: over a segment of length {2 * self.norm():.3g} the loss changes by "
                 f"{self.losses[-1] - self.losses[0]:.10g}, the gradient integrates to {self.integral:.10g} (difference "
-                f"{self.residual:.3g}, bound {self.bound:.2g} = rounding and quadrature; relative "
+                f"{self.residual:.3g}, bound {self.bound:.3g} = rounding and quadrature; relative "
                 f"{self.relative_error:.2g}, resolution {self.resolution:.2g}; {self.statistic}): "
                 f"{words.get(self.outcome, self.outcome)}")
 
@@ -1182,6 +1203,14 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
         at_base = calls(fd_build, base)
         scales = tensor_scales(base)
         noise = {fd_build: measure_noise(calls, fd_build, fd_precision, base, at_base, scales, rng)}
+        if not noise[fd_build].responsive and fd_build == "float64" and claimed != "float64":
+            # a float64 build that is not one is not trusted: the claimed build alone, as without one
+            notes.append(_unresponsive_words(noise["float64"], "float64", "float64"))
+            at_base = calls("claimed", base)
+            noise["claimed"] = measure_noise(calls, "claimed", claimed, base, at_base, scales, rng)
+            if noise["claimed"].responsive:
+                return _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, started, seed, notes)
+            fd_build, fd_precision = "claimed", claimed
         if not noise[fd_build].responsive:
             return _unresponsive(oracle, noise, fd_build, fd_precision, shapes, calls, budget, started, seed)
         if not has_float64:
@@ -1293,7 +1322,14 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
     storage = np.dtype(formats.STORAGE_DTYPE[claimed]) if claimed != "float64" else np.dtype("float64")
     panels = segment_panels(calls.left, len(base))
     try:
+        if not panels:
+            raise BudgetSpent
         segments = check_segments(calls, base, at_base, noise["claimed"], scales, rng, panels, storage)
+    except BudgetSpent:
+        words = f"{calls.left} calls left: too few for a segment of 4 panels per tensor (raise --max-calls)"
+        tensors = {name: TensorVerdict(name, value.shape, "inconclusive", settle=words) for name, value in base.items()}
+        return GradCheck(oracle.name, claimed, False, "inconclusive", tensors, [], None, noise, dict(calls.counts),
+                         budget, time.perf_counter() - started, calls.program_s, seed, notes + [words])
     finally:
         calls.close()
     tensors = {}
@@ -1317,12 +1353,21 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
                      time.perf_counter() - started, calls.program_s, seed, notes)
 
 
+def _unresponsive_words(measured: Noise, build: str, precision: str) -> str:
+    """What the unresponsive build does, in one sentence."""
+    if build == "float64" and measured.identical:
+        coarser = "it computes in float32" if measured.single_losses else "it computes in a coarser format than float64"
+        return (f"command_float64's loss {measured.loss:.17g} does not change at float64 resolution (the same number at "
+                f"all {measured.dof + 2} points {NOISE_ULPS} float64 ulps apart, its gradient says it moves by "
+                f"{abs(measured.predicted_slope):.3g} per step): {coarser}; its answers are not used")
+    return (f"the {build} build's loss does not change along steps of {NOISE_ULPS} {precision} ulps (fitted slope "
+            f"{measured.slope:.3g} ± {measured.slope_sigma:.2g}) although its gradient says {measured.predicted_slope:.3g}: "
+            f"it rounds its parameters to a coarser format than {precision}")
+
+
 def _unresponsive(oracle, noise, build, precision, shapes, calls, budget, started, seed) -> GradCheck:
     """The differenced build ignores small steps of its parameters: nothing can be judged with it."""
-    measured = noise[build]
-    words = (f"the {build} build's loss does not change along steps of {NOISE_ULPS} {precision} ulps (fitted slope "
-             f"{measured.slope:.3g} ± {measured.slope_sigma:.2g}) although its gradient says {measured.predicted_slope:.3g}: "
-             f"it rounds its parameters to a coarser format than {precision}")
+    words = _unresponsive_words(noise[build], build, precision)
     settle = ("make command_float64 compute in float64 throughout (or drop it)" if build == "float64"
               else f"make the program compute in {precision} as claimed")
     tensors = {name: TensorVerdict(name, shape, "inconclusive", math.nan, math.nan, [words], settle=settle)
