@@ -109,10 +109,14 @@ SETTLE_RTOL = 1e-4
 #: difference is then of the size of the loss, its rounding ~u relative (measured on a float32 tanh MLP:
 #: 1.4e-6 relative at 0.5‖w‖ against 5.8e-4 at 1e-3‖w‖, with 8 Gauss–Legendre nodes)
 SEGMENT_FRACTION = 0.5
+#: a smooth segment whose bound is mostly rounding (the loss changes little along it: a bias) is tried again
+#: this many times longer, up to SEGMENT_MAX·‖w‖; the longer one replaces it only if it resolves better
+SEGMENT_STRETCH, SEGMENT_MAX = 4.0, 8.0
 #: (T₄ − T₂)/(T₈ − T₄) of nested trapezoid sums is 4 when the error is c·h² (a smooth integrand) and ~2 or
-#: erratic with jumps (de Boor, "CADRE: an algorithm for numerical quadrature", 1971, the ratio test);
-#: the window admits the h⁴ term's pull at coarse panels
-SMOOTH_RATIO = (3.0, 5.5)
+#: erratic with jumps (de Boor, "CADRE: an algorithm for numerical quadrature", 1971, the ratio test); Romberg's
+#: column j shrinks 4^(j+1)× per halving. The window, as a fraction of that factor, admits the next term's pull
+#: at coarse panels
+SMOOTH_RATIO = (0.75, 1.4)
 #: default number of program calls: ≤ 60 for ≤ 10 tensors, 4 more per tensor beyond
 BUDGET_BASE, BUDGET_PER_TENSOR = 20, 4
 
@@ -1045,6 +1049,9 @@ class Segment:
     ratio: float = math.nan  # (T₄ − T₂)/(T₈ − T₄): 4 for a smooth integrand
     statistic: str = ""
     outcome: str = "open"
+    fraction: float = math.nan  # ‖Δ‖/‖w‖ asked for
+    rounding_bound: float = math.nan  # the rounding part of the bound (smooth rules)
+    quadrature: float = math.nan  # the quadrature part of the bound (smooth rules)
 
     @property
     def resolution(self) -> float:
@@ -1063,23 +1070,36 @@ class Segment:
         return math.sqrt(sum(float(np.sum(v * v)) for v in self.displacement.values()))
 
     def evaluate(self, critical: Callable[[int], float]) -> None:
-        """Integrate f, estimate the quadrature error from refinement, decide."""
+        """Integrate f (Romberg as deep as its convergence is verified), bound the quadrature error, decide."""
         t, f, losses = self.nodes, self.slopes, self.losses
         panels = len(t) - 1
         width = 2.0 / panels
-        trapezoid = {m: (2.0 / m) * (f[0] / 2 + f[panels // m: -1: panels // m].sum() + f[-1] / 2)
-                     for m in (panels // 4, panels // 2, panels) if m >= 1}
-        delta_l = losses[-1] - losses[0]
+        levels = int(round(math.log2(panels)))
+        # Romberg tableau: column 0 the trapezoid sums on 1, 2, 4, … panels (nested), column j error ∝ h^(2j+2)
+        table = [[(2.0 / m) * (f[0] / 2 + f[panels // m: -1: panels // m].sum() + f[-1] / 2)]
+                 for m in (2 ** i for i in range(levels + 1))]
+        for i in range(1, levels + 1):
+            for j in range(1, i + 1):
+                table[i].append((4 ** j * table[i][j - 1] - table[i - 1][j - 1]) / (4 ** j - 1))
+        delta_l = float(losses[-1] - losses[0])
         self.scale = width * float(np.sum(np.abs(f[1:]) + np.abs(f[:-1]))) / 2
-        fine, half, quarter = trapezoid[panels], trapezoid[panels // 2], trapezoid.get(panels // 4, math.nan)
-        self.ratio = (half - quarter) / (fine - half) if fine != half else math.inf
+        fine = table[levels][0]
+
+        def ratio(j: int) -> float:  # how much column j's differences shrink per halving at the finest level
+            a, b, c = table[levels - 2][j], table[levels - 1][j], table[levels][j]
+            return (b - a) / (c - b) if c != b else math.inf
+        self.ratio = ratio(0)
         # rounding of ΔL (two loss roundings) and of the weighted gradient sum (one σ_f per node)
         rounding = math.sqrt(2.0 * self.loss_sigma ** 2 + (width * self.slope_sigma) ** 2 * panels)
-        # every panel holds its own identity, r = L(t₊) − L(t₋) − (f₋ + f₊)·w/2. The jumps of f scatter them about
+        # every panel holds its own identity, r = L(t₊) − L(t₋) − (f₋ + f₊)·w/2, less its curvature term w³f''/12
+        # (f'' from the neighbouring second differences: Gregory's correction). The jumps of f scatter them about
         # zero for a right gradient; a gradient wrong by a factor (1 + ε) along Δ shifts each by −ε × the panel's
         # integral: the fit of r on the panel integrals through the origin, Student t with panels − 1 dof
-        residuals = np.diff(losses) - width * (f[1:] + f[:-1]) / 2
         integrals = width * (f[1:] + f[:-1]) / 2
+        second = f[2:] - 2 * f[1:-1] + f[:-2]  # at interior nodes 1 … panels − 1
+        padded = np.concatenate([[second[0]], second, [second[-1]]]) if len(second) else np.zeros(panels + 1)
+        curvature = width * (padded[:-1] + padded[1:]) / 2 / 12
+        residuals = np.diff(losses) - integrals + curvature
         weight = float(np.sum(integrals ** 2))
         slope = float(np.sum(residuals * integrals)) / weight if weight > 0 else 0.0
         spread = math.sqrt(float(np.sum((residuals - slope * integrals) ** 2)) / (panels - 1))
@@ -1088,16 +1108,19 @@ class Segment:
         panel_residual, panel_bound = -slope * fine, critical(panels - 1) * standard_error * abs(fine)
         panel_words = (f"the {panels} panels' residuals against their integrals give a relative error {-slope:.2g} ± "
                        f"{standard_error:.2g} (Student t, {panels - 1} dof)")
-        if SMOOTH_RATIO[0] <= self.ratio <= SMOOTH_RATIO[1]:
-            # the trapezoid sums converge like h² (Euler–Maclaurin): Simpson converges like h⁴, and the coarser
-            # Simpson's distance bounds the finer one's error (Richardson's /15, Lyness, J. ACM 16(3), 1969, called
-            # right KAN and normalisation gradients defects at 8 panels)
-            simpson, coarse = (4 * fine - half) / 3, (4 * half - quarter) / 3
-            quadrature = abs(simpson - coarse)
-            self.rule, self.integral, self.residual = "Simpson", simpson, delta_l - simpson
-            self.bound = critical(self.dof) * rounding + quadrature
-            self.statistic = (f"trapezoid sums converge like h² (ratio {self.ratio:.3g}, 4 for a smooth f): Simpson, "
-                              f"quadrature error ≤ {quadrature:.2g} (Simpson at twice the panel width)")
+        depth = 0
+        while depth + 1 <= levels - 1 and SMOOTH_RATIO[0] <= ratio(depth) / 4 ** (depth + 1) <= SMOOTH_RATIO[1]:
+            depth += 1  # column `depth` − 1 converges at its order: column `depth` is valid, with its own ratio
+        if depth:
+            # the coarser value of the deepest verified column bounds the finer one's error (Richardson's /(4^j − 1)
+            # (Lyness, J. ACM 16(3), 1969) called right KAN and normalisation gradients defects at 8 panels)
+            value, quadrature = table[levels][depth], abs(table[levels][depth] - table[levels - 1][depth])
+            name = {1: "Simpson", 2: "Boole"}.get(depth, f"Romberg column {depth}")
+            self.rule, self.integral, self.residual = name, value, delta_l - value
+            self.rounding_bound, self.quadrature = critical(self.dof) * rounding, quadrature
+            self.bound = self.rounding_bound + quadrature
+            self.statistic = (f"the trapezoid sums converge like h² (ratio {self.ratio:.3g}, 4 for a smooth f): {name} on "
+                              f"{panels} panels, quadrature error ≤ {quadrature:.2g} (the same rule on {panels // 2})")
             # a ratio near 4 can happen by chance with many kinks (a ReLU layer): a disagreement must also show
             # in the panels, which do not assume smoothness
             if abs(self.residual) > self.bound and abs(panel_residual) <= panel_bound:
@@ -1105,7 +1128,8 @@ class Segment:
                 self.rule, self.residual, self.bound = "panels", panel_residual, max(panel_bound, abs(self.residual))
         else:
             self.rule, self.integral, self.residual, self.bound = "panels", fine, panel_residual, panel_bound
-            self.statistic = f"trapezoid sums do not converge like h² (ratio {self.ratio:.3g}): kinks; {panel_words}"
+            self.statistic = (f"the trapezoid sums do not converge like h² (ratio {self.ratio:.3g}): kinks; "
+                              f"{panel_words}")
         self.outcome = "agree" if abs(self.residual) <= self.bound else "disagree"
 
     def evidence(self) -> str:
@@ -1134,41 +1158,53 @@ def segment_panels(budget_left: int, tensors: int) -> int:
 
 def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation, noise: Noise,
                    scales: dict[str, float], rng: np.random.Generator, panels: int, storage: np.dtype) -> dict[str, Segment]:
-    """One long segment per tensor (the float32-only check): `panels` uniform panels, nodes at t = j/(panels/2)."""
-    nodes = np.linspace(-1.0, 1.0, panels + 1)
+    """One long segment per tensor (the float32-only check): `panels` uniform panels, nodes at t = j/(panels/2).
+    Then, while calls last, the least resolved segment is refined where its bound comes from: rounding (the loss
+    changes little along it) → a segment STRETCH× longer; quadrature → twice the panels."""
     critical = lambda dof: t_critical(ALPHA, dof)
-    segments = {}
-    for name, value in base.items():
+
+    def run(name: str, fraction: float) -> Segment:
+        nodes = np.linspace(-1.0, 1.0, panels + 1)
         # exact at the nodes of twice as many panels too (the refinement below)
-        step = tensor_step(value, SEGMENT_FRACTION * scales[name], storage, list(np.linspace(-1.0, 1.0, 2 * panels + 1)), rng)
+        step = tensor_step(base[name], fraction * scales[name], storage, list(np.linspace(-1.0, 1.0, 2 * panels + 1)),
+                           rng)
         displacement = {name: step}
-        answers = {0.0: at_base}
-        for t in nodes:
-            if t != 0.0:
-                answers[float(t)] = calls("claimed", _point(base, displacement, float(t)))
+        answers = {float(t): at_base if t == 0.0 else calls("claimed", _point(base, displacement, float(t)))
+                   for t in nodes}
         losses = np.array([answers[float(t)].loss for t in nodes])
         slopes = np.array([_dot(answers[float(t)].grads, displacement) for t in nodes])
         growth = float(np.max(np.abs(losses[[0, -1]]))) / abs(at_base.loss) if at_base.loss else 1.0
-        segment = Segment(f"{name} along a random segment of ±{SEGMENT_FRACTION:g}‖{name}‖", displacement, nodes,
-                          losses, slopes, noise.loss_sigma * max(1.0, growth), noise.direction_sigma(displacement), noise.dof)
+        segment = Segment(f"{name} along a random segment of ±{fraction:g}‖{name}‖", displacement, nodes, losses,
+                          slopes, noise.loss_sigma * max(1.0, growth), noise.direction_sigma(displacement), noise.dof,
+                          fraction=fraction)
         segment.evaluate(critical)
-        segments[name] = segment
-    # the calls left halve the panels of the least resolved segment: the refinement is its error estimate
+        return segment
+
+    segments = {name: run(name, SEGMENT_FRACTION) for name in base}
+    tried = set()
     while True:
-        open_ones = [s for s in segments.values() if s.outcome == "agree" and s.resolution > SETTLE_RTOL and len(s.nodes) - 1 < 2 * panels
-                     and len(s.nodes) - 1 <= calls.left]
+        open_ones = [s for s in segments.values() if s.outcome == "agree" and s.resolution > SETTLE_RTOL
+                     and id(s) not in tried and panels <= calls.left]
         if not open_ones:
             return segments
         segment = max(open_ones, key=lambda s: s.resolution)
-        midpoints = (segment.nodes[1:] + segment.nodes[:-1]) / 2
+        tried.add(id(segment))
+        name = next(iter(segment.displacement))
+        if segment.rule != "panels" and segment.rounding_bound > segment.quadrature and segment.fraction < SEGMENT_MAX:
+            longer = run(name, segment.fraction * SEGMENT_STRETCH)
+            if longer.outcome == "disagree" or longer.resolution < segment.resolution:
+                segments[name] = longer
+            continue
         if len(segment.nodes) - 1 >= 2 * panels:
-            return segments  # the step is exact on the grid of twice the first panels only
+            continue  # the step is exact on the grid of twice the first panels only
+        midpoints = (segment.nodes[1:] + segment.nodes[:-1]) / 2
         answers = [calls("claimed", _point(base, segment.displacement, float(t))) for t in midpoints]
         order = np.argsort(np.concatenate([segment.nodes, midpoints]))
         segment.nodes = np.concatenate([segment.nodes, midpoints])[order]
         segment.losses = np.concatenate([segment.losses, [a.loss for a in answers]])[order]
         segment.slopes = np.concatenate([segment.slopes, [_dot(a.grads, segment.displacement) for a in answers]])[order]
         segment.evaluate(critical)
+        tried.discard(id(segment))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,9 +30,10 @@ def patches(x):
     return np.stack([padded[:, i:i + x.shape[2], j:j + x.shape[3]] for i in range(3) for j in range(3)], axis=-1)
 
 
-def loss_and_grads(arrays, pool=False, bug="none"):
-    """The loss and the gradient of every parameter, in float32."""
-    f32 = {name: np.asarray(value, np.float32) for name, value in arrays.items()}
+def loss_and_grads(arrays, pool=False, bug="none", dtype=np.float32):
+    """The loss and the gradient of every parameter, in float32 (`dtype`: the same code in another precision,
+    for studies; the program itself always runs float32)."""
+    f32 = {name: np.asarray(value, dtype) for name, value in arrays.items()}
     x, target = f32["input"], f32["target"]
     w, b, fw, fb = f32["conv.weight"], f32["conv.bias"], f32["fc.weight"], f32["fc.bias"]
     cols = patches(x)  # (N, H, W, 9)
@@ -61,7 +62,7 @@ def loss_and_grads(arrays, pool=False, bug="none"):
     d_pre = d_act * (pre > 0)
     g_w = np.einsum("nhwc,nhwk->ck", d_pre, cols).reshape(w.shape)
     if bug == "count":  # the average's count off by one: 1/99 where the loss has 1/100
-        g_w = g_w * np.float32(SAMPLES / (SAMPLES - 1))
+        g_w = g_w * (SAMPLES / (SAMPLES - 1))
     g_b = d_pre.sum(axis=(0, 1, 2))
     return loss, {"conv.weight": g_w, "conv.bias": g_b, "fc.weight": g_fw, "fc.bias": g_fb}
 
