@@ -1,7 +1,7 @@
 """A ReLU convolutional network in numpy, float32 only, as an opaque candidate for precision-lab.
 
 Usage:
-    python relu_conv.py REQUEST_DIR RESPONSE_DIR [--pool] [--bug none|count]
+    python relu_conv.py REQUEST_DIR RESPONSE_DIR [--pool] [--bug none|head-count|conv-count]
     python relu_conv.py --make-start DIR [--seed K]      # write the start bundle the candidate YAMLs name
 
 conv 3×3 (4 channels, zero padding 1) → ReLU → [2×2 max-pool with --pool] → linear → one output per
@@ -9,8 +9,10 @@ sample; loss: mean squared error over the batch of 100. Forward and backward by 
 float32 (the program has no float64 build: it casts a float64 request's arrays to float32 and
 answers in the request's precision, which is what a float32-only library does).
 
-Planted bug (--bug count): the conv weight's gradient averages over 99 samples instead of 100, an
-off-by-one in the count that leaves it 1.01× too large (1% wrong), everything else right.
+Planted bugs: an off-by-one in the batch count, the gradient averaged over 99 samples where the loss
+has 100, leaving one tensor's gradient 1.01× too large (1% wrong), everything else right:
+    head-count   in fc.weight (the read-out: the loss is quadratic along it, no kinks)
+    conv-count   in conv.weight (behind the ReLU: tens of thousands of kinks along any long segment)
 """
 import argparse
 import json
@@ -61,8 +63,10 @@ def loss_and_grads(arrays, pool=False, bug="none", dtype=np.float32):
         d_act = d_features.reshape(act.shape)
     d_pre = d_act * (pre > 0)
     g_w = np.einsum("nhwc,nhwk->ck", d_pre, cols).reshape(w.shape)
-    if bug == "count":  # the average's count off by one: 1/99 where the loss has 1/100
+    if bug == "conv-count":  # the average's count off by one: 1/99 where the loss has 1/100
         g_w = g_w * (SAMPLES / (SAMPLES - 1))
+    if bug == "head-count":
+        g_fw = g_fw * (SAMPLES / (SAMPLES - 1))
     g_b = d_pre.sum(axis=(0, 1, 2))
     return loss, {"conv.weight": g_w, "conv.bias": g_b, "fc.weight": g_fw, "fc.bias": g_fb}
 
@@ -102,7 +106,7 @@ if __name__ == "__main__":
     parser.add_argument("request", nargs="?")
     parser.add_argument("response", nargs="?")
     parser.add_argument("--pool", action="store_true", help="2x2 max-pool after the ReLU")
-    parser.add_argument("--bug", choices=("none", "count"), default="none")
+    parser.add_argument("--bug", choices=("none", "head-count", "conv-count"), default="none")
     parser.add_argument("--make-start", metavar="DIR")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
