@@ -347,3 +347,66 @@ def resolution_table(rows: pd.DataFrame) -> pd.DataFrame:
                     "slips called roundoff": f"{(slips.verdict == 'roundoff').sum()}/{len(slips)}" if len(slips) else "",
                     "max calls": int(group.calls.max())})
     return pd.DataFrame(out)
+
+
+def segment_against_length(function, parameters: dict[str, np.ndarray], tensor: str, fractions,
+                           seed: int = 0, panels: int = 8) -> pd.DataFrame:
+    """Float32 only, along one random direction of `tensor` with length h = fraction·‖tensor‖: what a central
+    difference (L(w + h·d) − L(w − h·d))/2h and the segment identity L(w + h·d) − L(w − h·d) = ∫ g·d (the
+    program's gradients at `panels` + 1 uniform nodes, the check's Segment) each get wrong, against the
+    float64 derivative, and the resolution the segment states from its own measurements (no float64)."""
+    from ..gradcheck import (ALPHA, Calls, FunctionOracle, Segment, _dot, _point, measure_noise, t_critical,
+                             tensor_scales, tensor_step)
+
+    base = {k: v.astype(np.float64) for k, v in parameters.items()}
+    scales = tensor_scales(base)
+    rng = np.random.default_rng(seed)
+    oracle = FunctionOracle(function, name="segment", has_float64=False)
+    calls = Calls(oracle, 10 ** 6, progress=False)
+    at_base = calls("claimed", base)
+    noise = measure_noise(calls, "claimed", "float32", base, at_base, scales, rng)
+    unit = rng.standard_normal(base[tensor].shape)
+    unit /= np.linalg.norm(unit)
+    _, g64 = function(base, np.float64)
+    rows = []
+    for fraction in fractions:
+        nodes = np.linspace(-1.0, 1.0, panels + 1)
+        step = tensor_step(base[tensor], fraction * scales[tensor], np.dtype("float32"), list(nodes),
+                           np.random.default_rng(seed))
+        displacement = {tensor: step}
+        answers = [at_base if t == 0 else calls("claimed", _point(base, displacement, float(t))) for t in nodes]
+        losses = np.array([a.loss for a in answers])
+        slopes = np.array([_dot(a.grads, displacement) for a in answers])
+        truth = float(np.sum(np.asarray(g64[tensor]) * step))  # g(w)·Δ from the float64 program
+        central = (losses[-1] - losses[0]) / 2
+        segment = Segment(tensor, displacement, nodes, losses, slopes, noise.loss_sigma,
+                          noise.direction_sigma(displacement), noise.dof, fraction=fraction)
+        segment.evaluate(lambda dof: t_critical(ALPHA, dof))
+        # the segment's own error: its residual with the float64 program's (the quadrature error) removed
+        answers64 = [function(_point(base, displacement, float(t)), np.float64) for t in nodes]
+        segment64 = Segment(tensor, displacement, nodes, np.array([float(a[0]) for a in answers64]),
+                            np.array([_dot(a[1], displacement) for a in answers64]), 0.0, 0.0, noise.dof)
+        segment64.evaluate(lambda dof: t_critical(ALPHA, dof))
+        rows.append({"fraction": fraction, "step": float(np.linalg.norm(step)),
+                     "central_difference_error": abs(central - truth) / abs(truth),
+                     "segment_error": abs(segment.residual) / segment.scale,
+                     "segment_quadrature_error": abs(segment64.residual) / segment64.scale,
+                     "segment_resolution": segment.resolution, "rule": segment.rule})
+    return pd.DataFrame(rows)
+
+
+def length_figure(table: pd.DataFrame, practice_rtol: float = PRACTICE["rtol"]):
+    """Relative error against length: the central difference's V and the segment's error and stated resolution."""
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.5, 4))
+    axes.loglog(table.fraction, table.central_difference_error, "o-", label="central difference (float32)")
+    axes.loglog(table.fraction, table.segment_error, "s-", label="segment identity (float32): error")
+    axes.loglog(table.fraction, table.segment_resolution, "s--", label="segment: stated resolution")
+    axes.axhline(1e-4, color="grey", lw=0.8, ls=":", label="settled (1e-4)")
+    axes.axhline(practice_rtol, color="grey", lw=0.8, ls="-.", label=f"the practice's rtol ({practice_rtol:g})")
+    axes.set_xlabel("step or segment half-length / ‖w‖")
+    axes.set_ylabel("relative error of g·d")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    return figure
