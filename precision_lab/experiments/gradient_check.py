@@ -328,6 +328,8 @@ def float32_resolution(kinds=None, seeds=(0, 1), with_float64: bool = False, sli
                              "seed": seed, "case": case, "slipped": tensor, "verdict": result.verdict,
                              "defects": ", ".join(flagged),
                              "named": (flagged == [tensor]) if tensor else (not flagged),
+                             "tensors_roundoff": sum(t.verdict == "roundoff" for t in result.tensors.values()),
+                             "tensors": len(result.tensors),
                              "worst_resolution": max(resolutions, default=math.nan),
                              "best_resolution": min(resolutions, default=math.nan),
                              "calls": result.total_calls})
@@ -341,6 +343,7 @@ def resolution_table(rows: pd.DataFrame) -> pd.DataFrame:
         right, slips = group[group.slipped.isna()], group[group.slipped.notna()]
         out.append({"kind": kind, "build": build, "right: roundoff": f"{(right.verdict == 'roundoff').sum()}/{len(right)}",
                     "right: defect": f"{(right.verdict == 'defect').sum()}/{len(right)}",
+                    "right: tensors roundoff": f"{int(right.tensors_roundoff.sum())}/{int(right.tensors.sum())}",
                     "resolution (median of worst tensor)": float(right.worst_resolution.median()),
                     "resolution (best tensor)": float(right.best_resolution.min()),
                     "1% slips named": f"{int(slips.named.sum())}/{len(slips)}" if len(slips) else "",
