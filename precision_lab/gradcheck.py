@@ -41,7 +41,9 @@ What the check spends its program calls on, in order:
    ~u relative. Smooth integrands (nested trapezoid sums converging like h²): Simpson, with the
    coarser Simpson as its error bound; kinks (ReLU, max, clamps): each panel is its own identity,
    and a wrong gradient shifts every panel's residual in proportion to its integral (a fit with a
-   Student t). Calls left halve the panels of the least resolved segment.
+   Student t). The calls left go where each bound comes from: a segment bounded by rounding is tried
+   SEGMENT_STRETCH× longer, one bounded by quadrature gets twice the panels, and a tensor behind kinks
+   gets the short stencil of 2. (which crosses few of them); a tensor's verdict is its best evidence's.
 4. **Localisation.** A direction that fails is restricted to halves of the tensor (rows, then
    columns, … down to single elements) to name where the gradient is wrong; a float32-only
    error is located element by element from 3. at no extra cost.
