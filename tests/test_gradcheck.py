@@ -322,6 +322,20 @@ def test_a_one_percent_slip_behind_a_relu_is_never_roundoff_without_a_float64_bu
     assert all(t.verdict != "defect" for n, t in result.tensors.items() if n != "conv.weight")
 
 
+def test_without_a_float64_build_a_parameter_the_loss_ignores_is_not_a_defect():
+    """An unused parameter (gradient 0, loss unchanged) and one whose segment integral cancels to ~0 (an odd f)."""
+    params, program = tanh_chain(tensors=4)
+    params = {**params, "unused": np.ones(3, np.float32), "centred": np.zeros(2, np.float32)}
+
+    def extended(p, dtype):
+        loss, grads = program({k: v for k, v in p.items() if k.startswith("l")}, dtype)
+        total = np.asarray(p["centred"], dtype).sum()
+        return loss + total ** 2, {**grads, "unused": np.zeros(3, dtype), "centred": 2 * total * np.ones(2, dtype)}
+    result = check_gradients(FunctionOracle(extended, name="f32", has_float64=False), params)
+    assert result.verdict != "defect", result.to_text()
+    assert result.tensors["unused"].verdict == "roundoff" and result.tensors["centred"].verdict == "roundoff"
+
+
 def test_a_tensor_whose_norm_dwarfs_the_others_does_not_set_their_steps():
     """A bias at −7e4 beside weights ~0.1: each tensor's step comes from itself (was a ZeroDivisionError)."""
     rng = np.random.default_rng(0)
