@@ -1121,7 +1121,12 @@ class Segment:
         depth = 0
         while depth + 1 <= levels - 1 and SMOOTH_RATIO[0] <= ratio(depth) / 4 ** (depth + 1) <= SMOOTH_RATIO[1]:
             depth += 1  # column `depth` − 1 converges at its order: column `depth` is valid, with its own ratio
-        fast = depth == 0 and self.ratio > 4 * SMOOTH_RATIO[1]
+        # the nested sums agree within their own rounding (f linear along Δ: a read-out layer) count as converged:
+        # two sums' difference has σ ≤ 2√2·σ_f/√(panels they have)
+        coarse_panels = max(panels // 4, 1)
+        agreeing = all(abs(a - b) <= critical(self.dof) * 2 * math.sqrt(2) * self.slope_sigma / math.sqrt(coarse_panels)
+                       for a, b in ((fine, table[levels - 1][0]), (table[levels - 1][0], table[levels - 2][0])))
+        fast = depth == 0 and (self.ratio > 4 * SMOOTH_RATIO[1] or agreeing)
         if fast:
             # the sums converge faster than h² (a smooth f before its asymptotic regime; jumps or kinks converge
             # slower): the distance to the sum on half the panels bounds the finer sum's error
@@ -1130,8 +1135,10 @@ class Segment:
             self.rule, self.integral, self.residual = "trapezoid", value, delta_l - value
             self.rounding_bound, self.quadrature = critical(self.dof) * rounding, quadrature
             self.bound = self.rounding_bound + quadrature
-            self.statistic = (f"the trapezoid sums converge {self.ratio:.3g}× per halving (faster than h²): trapezoid on "
-                              f"{panels} panels, quadrature error ≤ {quadrature:.2g} (the sum on {panels // 2})")
+            self.statistic = (f"the trapezoid sums converge {self.ratio:.3g}× per halving "
+                              + ("(they agree within their rounding)" if agreeing else "(faster than h²)")
+                              + f": trapezoid on {panels} panels, quadrature error ≤ {quadrature:.2g} (the sum on "
+                              f"{panels // 2})")
             if abs(self.residual) > self.bound and abs(panel_residual) <= panel_bound:
                 self.statistic += f"; but {panel_words}: not evidence"
                 self.rule, self.residual, self.bound = "panels", panel_residual, max(panel_bound, abs(self.residual))
