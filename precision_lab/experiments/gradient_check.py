@@ -309,7 +309,7 @@ def slipped(function, tensor: str, factor: float = 1.01):
 def float32_resolution(kinds=None, seeds=(0, 1), with_float64: bool = False, slips: bool = True) -> pd.DataFrame:
     """One row per (kind, seed, case): the check's verdict on the right program and on each 1% slip, the
     resolution it states per tensor, and its program calls. `with_float64`: the same code in float64 as the
-    float64 build (the issue's "with a float64 build" column); else the float32 build alone."""
+    float64 build; else the float32 build alone."""
     from ..gradcheck import FunctionOracle, check_gradients
 
     rows = []
