@@ -693,7 +693,8 @@ def gradient_check(summary, tensors, results: dict, rates, rtol: float, practice
             action = (f"Fix the backward of {names}" + (f" (start at {failing.located.iloc[0]})"
                                                         if failing.located.iloc[0] else "") + ".")
         else:
-            finding = "the noise of the loss is too large for the check to settle the gradient."
+            finding = ("the check does not resolve the gradient closely enough to settle it (the loss's rounding noise, or "
+                       "kinks along its segments).")
             action = next((t.settle for t in result.tensors.values() if t.settle),
                           "Give a float64 build (command_float64): it settles the gradient to ~1e-8.")
         findings.append(Finding(row.candidate, row.verdict, finding, measurements, action))

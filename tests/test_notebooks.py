@@ -89,9 +89,14 @@ def test_noise_floor_members_stay_below_the_bound(executed):
 
 @pytest.mark.slow
 def test_gradient_check_settles_the_kan_candidates(executed):
-    """06: the right KAN is roundoff, both planted bugs are defects naming their tensors, within budget."""
+    """06: the right KAN is roundoff, the planted bugs are defects naming their tensors (float32-only too), within
+    budget."""
     summary = pd.read_csv(executed["06-gradient-check"] / "summary.csv").set_index("candidate")
-    assert summary.verdict.to_dict() == {"kan": "roundoff", "kan-bug": "defect", "kan-bug-float32": "defect"}
+    verdicts = summary.verdict.to_dict()
+    assert {k: verdicts[k] for k in ("kan", "kan-bug", "kan-bug-float32", "relu-bug")} == {
+        "kan": "roundoff", "kan-bug": "defect", "kan-bug-float32": "defect", "relu-bug": "defect"}
+    assert verdicts["kan-no-float64"] != "defect" and verdicts["relu"] != "defect"  # float32 only: never crying wolf
+    assert "fc.weight" in summary.headline["relu-bug"]
     assert "layer2.spline_weight" in summary.headline["kan-bug"]
     assert "spline_weight" in summary.headline["kan-bug-float32"]
     assert (summary.program_calls <= 60).all()

@@ -1,7 +1,7 @@
 """A Kolmogorov–Arnold network (B-spline activations) as an opaque candidate for precision-lab.
 
 Usage:
-    python kan.py REQUEST_DIR RESPONSE_DIR [--bug NAME] [--bug-in all|float32]
+    python kan.py REQUEST_DIR RESPONSE_DIR [--bug NAME] [--bug-in all|float32] [--clamped]
     python kan.py --make-start DIR [--seed K]        # write the start bundle the candidate YAMLs name
 
 Numpy only: copy it and replace `loss_and_grads` with your network. Two KAN layers in the
@@ -75,8 +75,13 @@ def batch_sum(terms, bug="none"):
     return total
 
 
-def layer_forward(x, base_weight, spline_weight, grid):
-    basis, derivative = bspline(x, grid)
+def layer_forward(x, base_weight, spline_weight, grid, clamped=False):
+    if clamped:  # the spline sees its input clipped to the grid (a KAN library's guard): a kink at each end
+        inside = np.clip(x, grid[DEGREE], grid[-DEGREE - 1])
+        basis, derivative = bspline(inside, grid)
+        derivative = derivative * (inside == x)[..., None]
+    else:
+        basis, derivative = bspline(x, grid)
     y = silu(x) @ base_weight.T + np.einsum("nim,jim->nj", basis, spline_weight)
     return y, (x, basis, derivative)
 
@@ -94,13 +99,14 @@ def layer_backward(dy, cache, base_weight, spline_weight, grid, bug="none"):
     return grad_base, grad_spline, dx
 
 
-def loss_and_grads(arrays, bug="none"):
-    """The loss and the gradient of every parameter, in the arrays' precision."""
+def loss_and_grads(arrays, bug="none", clamped=False):
+    """The loss and the gradient of every parameter, in the arrays' precision (`clamped`: spline inputs clipped
+    to the grid in the forward, and the backward consistent with it)."""
     grid = arrays["grid"]
     x, target = arrays["input"], arrays["target"]
     w = {name: arrays[name] for name in PARAMETERS}
-    hidden, cache1 = layer_forward(x, w["layer1.base_weight"], w["layer1.spline_weight"], grid)
-    output, cache2 = layer_forward(hidden, w["layer2.base_weight"], w["layer2.spline_weight"], grid)
+    hidden, cache1 = layer_forward(x, w["layer1.base_weight"], w["layer1.spline_weight"], grid, clamped)
+    output, cache2 = layer_forward(hidden, w["layer2.base_weight"], w["layer2.spline_weight"], grid, clamped)
     residual = output - target
     loss = np.mean(residual * residual)
     d_output = (2 / residual.size) * residual
@@ -133,14 +139,14 @@ def make_start(directory, seed=0, samples=200, widths=(2, 5, 1), intervals=5):
     (directory / "bundle.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
 
-def main(request, response, bug="none", bug_in="all"):
+def main(request, response, bug="none", bug_in="all", clamped=False):
     request, response = Path(request), Path(response)
     manifest = json.loads((request / "bundle.json").read_text())
     dtype = np.float64 if manifest["precision"] == "float64" else np.float32
     with np.load(request / "arrays.npz") as data:
         arrays = {name: data[name].astype(dtype) for name in data.files}
     active = bug if bug_in == "all" or (bug_in == "float32" and dtype == np.float32) else "none"
-    loss, grads = loss_and_grads(arrays, active)
+    loss, grads = loss_and_grads(arrays, active, clamped)
     response.mkdir(parents=True, exist_ok=True)
     out = {"loss": np.asarray(loss, dtype)}
     out.update({f"{name}.grad": np.asarray(grad, dtype) for name, grad in grads.items()})
@@ -155,13 +161,14 @@ if __name__ == "__main__":
     parser.add_argument("response", nargs="?")
     parser.add_argument("--bug", choices=BUGS, default="none")
     parser.add_argument("--bug-in", choices=("all", "float32"), default="all")
+    parser.add_argument("--clamped", action="store_true", help="clip the spline inputs to the grid (forward and backward)")
     parser.add_argument("--make-start", metavar="DIR")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.make_start:
         make_start(args.make_start, args.seed)
     elif args.request and args.response:
-        main(args.request, args.response, args.bug, args.bug_in)
+        main(args.request, args.response, args.bug, args.bug_in, args.clamped)
     else:
         parser.error("give REQUEST_DIR RESPONSE_DIR, or --make-start DIR")
         sys.exit(2)

@@ -1,5 +1,5 @@
 """Opaque command candidates: a program that answers loss and gradients of a network the lab has no
-model of (DESIGN.md, "Reference-free gradient check").
+model of (docs/external.md §5).
 
 The candidate YAML is a command candidate with ``model: opaque`` and ``start: DIR``::
 
@@ -319,7 +319,10 @@ def run_diagnose(candidate: OpaqueCandidate, args: argparse.Namespace) -> int:
     if candidate.start.rounded:
         print(f"note: {', '.join(candidate.start.rounded)} rounded to {formats.STORAGE_DTYPE[candidate.claimed_precision]} "
               f"(both builds get the values the {candidate.claimed_precision} build can hold)", file=sys.stderr)
-    seed = args.seed if getattr(args, "seed", None) is not None else 0
+    from ..options import nonnegative
+
+    # the command line hands the seed over as text: numpy's SeedSequence needs an integer
+    seed = nonnegative(getattr(args, "seed", None), "--seed") or 0
     result = candidate.check(seed=seed, max_calls=getattr(args, "max_calls", None), progress=True)
     print(result.to_text())
     if args.json:

@@ -200,3 +200,216 @@ def check_candidates(specs: list[str], seed: int = 0):
                                    program_calls=result.total_calls, float64_calls=result.calls["float64"],
                                    wall_s=round(result.wall_s, 1)))
     return pd.concat(frames, ignore_index=True), pd.DataFrame(summary), results
+
+
+# ---------------------------------------------------------------------------------------------
+# float32-only programs of several kinds: what the segment check resolves
+
+
+def _example(script: str):
+    return load_script(EXAMPLE / script)
+
+
+def _kan_kind(clamped: bool):
+    kan = Kan()
+
+    def run(params, dtype):
+        arrays = {name: value.astype(dtype) for name, value in kan.arrays.items()}
+        arrays.update({name: np.asarray(value, dtype) for name, value in params.items()})
+        return kan.module.loss_and_grads(arrays, "none", clamped)
+    return dict(kan.parameters), run
+
+
+def _relu_kind(pool: bool):
+    module = _example("relu_conv.py")
+    with np.load(EXAMPLE / ("relu-pool-start" if pool else "relu-start") / "arrays.npz") as data:
+        arrays = {name: data[name] for name in data.files}
+
+    def run(params, dtype):
+        return module.loss_and_grads({**arrays, **params}, pool, "none", dtype)
+    return {name: arrays[name] for name in module.PARAMETERS}, run
+
+
+def _tanh_kind(seed: int = 4, width: int = 6, layers: int = 2, samples: int = 32):
+    """A tanh MLP in numpy, backward by hand, MSE."""
+    rng = np.random.default_rng(seed)
+    x, t = rng.standard_normal((samples, width)), rng.standard_normal((samples, width))
+    params = {}
+    for i in range(layers):
+        params[f"l{i}.weight"] = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+        params[f"l{i}.bias"] = (0.1 * rng.standard_normal(width)).astype(np.float32)
+
+    def run(p, dtype):
+        h, cache = x.astype(dtype), []
+        for i in range(layers):
+            z = h @ np.asarray(p[f"l{i}.weight"], dtype).T + np.asarray(p[f"l{i}.bias"], dtype)
+            cache.append((h, z))
+            h = np.tanh(z)
+        r = h - t.astype(dtype)
+        grads, g = {}, 2 * r / r.size
+        for i in reversed(range(layers)):
+            h_in, z = cache[i]
+            g = g * (1 - np.tanh(z) ** 2)
+            grads[f"l{i}.weight"], grads[f"l{i}.bias"] = g.T @ h_in, g.sum(0)
+            g = g @ np.asarray(p[f"l{i}.weight"], dtype)
+        return np.mean(r * r), grads
+    return params, run
+
+
+def _normalisation_kind(seed: int = 5, samples: int = 32, width: int = 8, hidden: int = 16):
+    """Linear → batch normalisation (batch statistics, learned scale and shift) → tanh → linear, MSE, in numpy."""
+    rng = np.random.default_rng(seed)
+    x, t = rng.standard_normal((samples, width)), rng.standard_normal((samples, 1))
+    params = {"fc1.weight": rng.standard_normal((hidden, width)) / np.sqrt(width),
+              "norm.weight": 1 + 0.1 * rng.standard_normal(hidden), "norm.bias": 0.1 * rng.standard_normal(hidden),
+              "fc2.weight": rng.standard_normal((1, hidden)) / np.sqrt(hidden)}
+    params = {k: v.astype(np.float32) for k, v in params.items()}
+    eps = 1e-5
+
+    def run(p, dtype):
+        p = {k: np.asarray(v, dtype) for k, v in p.items()}
+        xs = x.astype(dtype)
+        z = xs @ p["fc1.weight"].T
+        mean, var = z.mean(0), z.var(0)
+        inv = 1 / np.sqrt(var + eps)
+        zhat = (z - mean) * inv
+        a = np.tanh(zhat * p["norm.weight"] + p["norm.bias"])
+        r = a @ p["fc2.weight"].T - t.astype(dtype)
+        d_out = 2 * r / r.size
+        d_a = d_out @ p["fc2.weight"]
+        d_y = d_a * (1 - a ** 2)
+        d_zhat = d_y * p["norm.weight"]
+        n = z.shape[0]  # the batch-normalisation backward (Ioffe & Szegedy 2015, §3)
+        d_z = inv / n * (n * d_zhat - d_zhat.sum(0) - zhat * (d_zhat * zhat).sum(0))
+        grads = {"fc1.weight": d_z.T @ xs, "norm.weight": (d_y * zhat).sum(0), "norm.bias": d_y.sum(0),
+                 "fc2.weight": d_out.T @ a}
+        return np.mean(r * r), grads
+    return params, run
+
+
+#: kind → (what it is, builder); each builder gives (parameters in float32, fn(params, dtype) -> (loss, grads))
+FLOAT32_KINDS = {
+    "kan": ("the example KAN (cubic B-splines, smooth)", lambda: _kan_kind(False)),
+    "kan-clamped": ("the KAN with spline inputs clipped to the grid", lambda: _kan_kind(True)),
+    "tanh-mlp": ("a tanh MLP, 2 layers", _tanh_kind),
+    "normalisation": ("linear, batch normalisation, tanh, linear", _normalisation_kind),
+    "relu-conv": ("the example ReLU conv net", lambda: _relu_kind(False)),
+    "relu-maxpool": ("the ReLU conv net with a 2x2 max-pool", lambda: _relu_kind(True)),
+}
+
+
+def slipped(function, tensor: str, factor: float = 1.01):
+    """`function` with `tensor`'s gradient `factor`× too large (a 1% slip), in every build."""
+    def run(params, dtype):
+        loss, grads = function(params, dtype)
+        return loss, {**grads, tensor: np.asarray(grads[tensor]) * factor}
+    return run
+
+
+def float32_resolution(kinds=None, seeds=(0, 1), with_float64: bool = False, slips: bool = True) -> pd.DataFrame:
+    """One row per (kind, seed, case): the check's verdict on the right program and on each 1% slip, the
+    resolution it states per tensor, and its program calls. `with_float64`: the same code in float64 as the
+    float64 build; else the float32 build alone."""
+    from ..gradcheck import FunctionOracle, check_gradients
+
+    rows = []
+    for kind in kinds or list(FLOAT32_KINDS):
+        params, function = FLOAT32_KINDS[kind][1]()
+        cases = [("right", None)] + ([(f"1% slip in {name}", name) for name in params] if slips else [])
+        for seed in seeds:
+            for case, tensor in cases:
+                program = function if tensor is None else slipped(function, tensor)
+                oracle = FunctionOracle(program, name=kind, has_float64=with_float64)
+                result = check_gradients(oracle, params, seed=seed)
+                resolutions = [t.summary()["resolution"] for t in result.tensors.values()]
+                resolutions = [r for r in resolutions if r is not None and math.isfinite(r)]
+                flagged = sorted(t.name for t in result.tensors.values() if t.verdict == "defect")
+                rows.append({"kind": kind, "build": "float32 + float64" if with_float64 else "float32 only",
+                             "seed": seed, "case": case, "slipped": tensor, "verdict": result.verdict,
+                             "defects": ", ".join(flagged),
+                             "named": (flagged == [tensor]) if tensor else (not flagged),
+                             "tensors_roundoff": sum(t.verdict == "roundoff" for t in result.tensors.values()),
+                             "tensors": len(result.tensors),
+                             "worst_resolution": max(resolutions, default=math.nan),
+                             "best_resolution": min(resolutions, default=math.nan),
+                             "calls": result.total_calls})
+    return pd.DataFrame(rows)
+
+
+def resolution_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per kind and build: right programs → verdicts, the resolution stated, slips → defects naming them."""
+    out = []
+    for (kind, build), group in rows.groupby(["kind", "build"], sort=False):
+        right, slips = group[group.slipped.isna()], group[group.slipped.notna()]
+        out.append({"kind": kind, "build": build, "right: roundoff": f"{(right.verdict == 'roundoff').sum()}/{len(right)}",
+                    "right: defect": f"{(right.verdict == 'defect').sum()}/{len(right)}",
+                    "right: tensors roundoff": f"{int(right.tensors_roundoff.sum())}/{int(right.tensors.sum())}",
+                    "resolution (median of worst tensor)": float(right.worst_resolution.median()),
+                    "resolution (best tensor)": float(right.best_resolution.min()),
+                    "1% slips named": f"{int(slips.named.sum())}/{len(slips)}" if len(slips) else "",
+                    "slips called roundoff": f"{(slips.verdict == 'roundoff').sum()}/{len(slips)}" if len(slips) else "",
+                    "max calls": int(group.calls.max())})
+    return pd.DataFrame(out)
+
+
+def segment_against_length(function, parameters: dict[str, np.ndarray], tensor: str, fractions,
+                           seed: int = 0, panels: int = 8) -> pd.DataFrame:
+    """Float32 only, along one random direction of `tensor` with length h = fraction·‖tensor‖: what a central
+    difference (L(w + h·d) − L(w − h·d))/2h and the segment identity L(w + h·d) − L(w − h·d) = ∫ g·d (the
+    program's gradients at `panels` + 1 uniform nodes, the check's Segment) each get wrong, against the
+    float64 derivative, and the resolution the segment states from its own measurements (no float64)."""
+    from ..gradcheck import (ALPHA, Calls, FunctionOracle, Segment, _dot, _point, measure_noise, t_critical,
+                             tensor_scales, tensor_step)
+
+    base = {k: v.astype(np.float64) for k, v in parameters.items()}
+    scales = tensor_scales(base)
+    rng = np.random.default_rng(seed)
+    oracle = FunctionOracle(function, name="segment", has_float64=False)
+    calls = Calls(oracle, 10 ** 6, progress=False)
+    at_base = calls("claimed", base)
+    noise = measure_noise(calls, "claimed", "float32", base, at_base, scales, rng)
+    unit = rng.standard_normal(base[tensor].shape)
+    unit /= np.linalg.norm(unit)
+    _, g64 = function(base, np.float64)
+    rows = []
+    for fraction in fractions:
+        nodes = np.linspace(-1.0, 1.0, panels + 1)
+        step = tensor_step(base[tensor], fraction * scales[tensor], np.dtype("float32"), list(nodes),
+                           np.random.default_rng(seed))
+        displacement = {tensor: step}
+        answers = [at_base if t == 0 else calls("claimed", _point(base, displacement, float(t))) for t in nodes]
+        losses = np.array([a.loss for a in answers])
+        slopes = np.array([_dot(a.grads, displacement) for a in answers])
+        truth = float(np.sum(np.asarray(g64[tensor]) * step))  # g(w)·Δ from the float64 program
+        central = (losses[-1] - losses[0]) / 2
+        segment = Segment(tensor, displacement, nodes, losses, slopes, noise.loss_sigma,
+                          noise.direction_sigma(displacement), noise.dof, fraction=fraction)
+        segment.evaluate(lambda dof: t_critical(ALPHA, dof))
+        # the segment's own error: its residual with the float64 program's (the quadrature error) removed
+        answers64 = [function(_point(base, displacement, float(t)), np.float64) for t in nodes]
+        segment64 = Segment(tensor, displacement, nodes, np.array([float(a[0]) for a in answers64]),
+                            np.array([_dot(a[1], displacement) for a in answers64]), 0.0, 0.0, noise.dof)
+        segment64.evaluate(lambda dof: t_critical(ALPHA, dof))
+        rows.append({"fraction": fraction, "step": float(np.linalg.norm(step)),
+                     "central_difference_error": abs(central - truth) / abs(truth),
+                     "segment_error": abs(segment.residual) / segment.scale,
+                     "segment_quadrature_error": abs(segment64.residual) / segment64.scale,
+                     "segment_resolution": segment.resolution, "rule": segment.rule})
+    return pd.DataFrame(rows)
+
+
+def length_figure(table: pd.DataFrame, practice_rtol: float = PRACTICE["rtol"]):
+    """Relative error against length: the central difference's V and the segment's error and stated resolution."""
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.5, 4))
+    axes.loglog(table.fraction, table.central_difference_error, "o-", label="central difference (float32)")
+    axes.loglog(table.fraction, table.segment_error, "s-", label="segment identity (float32): error")
+    axes.loglog(table.fraction, table.segment_resolution, "s--", label="segment: stated resolution")
+    axes.axhline(1e-4, color="grey", lw=0.8, ls=":", label="settled (1e-4)")
+    axes.axhline(practice_rtol, color="grey", lw=0.8, ls="-.", label=f"the practice's rtol ({practice_rtol:g})")
+    axes.set_xlabel("step or segment half-length / ‖w‖")
+    axes.set_ylabel("relative error of g·d")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    return figure
