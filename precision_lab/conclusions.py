@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from .tables import (HtmlBlock, escape, format_factor, format_number, format_percent, format_range, format_reported,
                      verdict_chip, verdict_class, verdict_legend)
 
-#: worst first: a candidate's overall verdict across experiments is the worst one (DESIGN.md, "Verdicts")
+#: worst first: a candidate's overall verdict across experiments is the worst one (docs/design.md, "Verdicts")
 SEVERITY = ("defect", "layout", "reduced-precision", "roundoff")
 NOTHING_TO_FIX = "The difference is rounding: nothing to fix."
 #: fitted exponents α of error ÷ (u·S) ∝ nᵅ (experiments.size_sweep): operand rounding in a coarser format predicts

@@ -31,7 +31,7 @@ from .problem import Problem, make_problem
 from .reference import reference
 from .verdict import Judgement, json_safe, judge, worst
 
-#: the seed scale (DESIGN.md): 1024×1024, batch 2
+#: the seed scale (docs/design.md, "The motivating case"): 1024×1024, batch 2
 DEFAULT_SIZE, DEFAULT_BATCH, DEFAULT_SEED = 1024, 2, 0
 
 

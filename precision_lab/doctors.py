@@ -1,4 +1,4 @@
-"""The doctors: what explains a quantity beyond its bound (DESIGN.md, "Explaining a verdict").
+"""The doctors: what explains a quantity beyond its bound (docs/design.md, "Explaining a verdict").
 
 Each reads the comparisons (precision_lab.compare) and the float64 reference and writes its
 findings into the judgement; none changes an earlier stage.
@@ -64,7 +64,7 @@ FINGERPRINT_Z = 5.0
 #: correlations need this many elements to mean anything
 FINGERPRINT_MIN_ELEMENTS = 16
 
-#: passes an emulated format may act in (DESIGN.md, "Precision fingerprint")
+#: passes an emulated format may act in (docs/design.md, "Explaining a verdict")
 PASSES = ("all", "forward", "input_grad", "weight_grad")
 
 

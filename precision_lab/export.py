@@ -2,7 +2,7 @@
 
 The output folder lets an external test suite judge its own program without the lab::
 
-    OUT/request/     the request bundle (DESIGN.md, "Exchange format"): feed it to your program
+    OUT/request/     the request bundle (docs/design.md, "Exchange format"): feed it to your program
     OUT/reference/   bundle.json (kind "reference") and the float64 results, in the same weight
                      layout and array format as the request: loss, output, conv{k}.weight.grad,
                      conv{k}.bias.grad, and for each of them `<name>.bound`
@@ -94,7 +94,7 @@ def export(problem: Problem, out: str | Path, precision: str = "float32", weight
         write_bundle(staging / "reference", "reference", "float64", weight_layout,
                      reference_arrays(problem, trace, precision, weight_layout), raw, network=problem.network,
                      extra={"bound_precision": precision, "problem": problem.describe(), "check": CHECK,
-                            "bound_source": "precision_lab.errmodel (DESIGN.md, error-accumulation model) at "
+                            "bound_source": "precision_lab.errmodel (docs/design.md, 'Error-accumulation model') at "
                                             f"{precision} plus its float64 bound for the reference's own rounding"})
         if out.exists():
             out.rmdir()  # empty (checked above): replaced by the finished export

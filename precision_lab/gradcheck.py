@@ -1,4 +1,4 @@
-"""Reference-free gradient check (DESIGN.md, "Reference-free gradient check").
+"""Reference-free gradient check (docs/design.md, "Reference-free gradient check").
 
 For networks the lab has no model of (splines, attention, custom kernels), the only reference is
 the program's own loss. The program is an *oracle*: given parameter values it answers the loss

@@ -1,4 +1,4 @@
-"""Probes: a few small problems judged beside the one asked for (DESIGN.md, "Probes").
+"""Probes: a few small problems judged beside the one asked for (docs/design.md, "Probes").
 
 Boundary and indexing bugs shrink as 1/H while the rounding bound grows as √n: a gradient that
 ignores one image column is within the float32 bound at 1024² and far outside it at 64². A

@@ -1,4 +1,4 @@
-"""Command candidates: someone else's program, driven through bundles (DESIGN.md, "Exchange format").
+"""Command candidates: someone else's program, driven through bundles (docs/design.md, "Exchange format").
 
 The candidate YAML::
 
@@ -122,10 +122,9 @@ def load_command_candidate(path: str | Path) -> Candidate:
     """A Candidate (family "command") from a candidate YAML; every key is checked here."""
     path = Path(path).resolve()
     spec = _read_yaml(path)
-    if spec.get("model") == "opaque":  # a network the lab has no model of: the reference-free gradient check
-        from .opaque import load_opaque_candidate
-
-        return load_opaque_candidate(path, spec)
+    if spec.get("model") == "opaque":  # opaque builds on this module, so the package routes to it
+        raise CommandCandidateError(f"{path}: `model: opaque` is the reference-free gradient check: load it with "
+                                    f"precision_lab.candidates.resolve (or precision-lab diagnose --candidate)")
     if "start" in spec:
         raise CommandCandidateError(f"{path}: key 'start' belongs to `model: opaque` (the reference-free gradient "
                                     f"check); a candidate with a model spec is sent requests made by the lab")

@@ -1,5 +1,5 @@
 """Opaque command candidates: a program that answers loss and gradients of a network the lab has no
-model of (DESIGN.md, "Reference-free gradient check").
+model of (docs/design.md, "Reference-free gradient check").
 
 The candidate YAML is a command candidate with ``model: opaque`` and ``start: DIR``::
 
