@@ -13,23 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from . import errmodel, options, probes as probe_set, resources
-from .candidates import Candidate, resolve
-from .candidates.command import CommandProgram
-from .compare import quantity_arrays
-from .compute import Result, Trace
-from .device import resolve_device
+# light imports only: `--help` and argument errors answer before torch is imported
+from . import options, probes as probe_set
 from .errors import LabInputError
-from .model import ModelSpecError, load_model
-from .problem import Problem, make_problem
-from .reference import reference
-from .verdict import Judgement, json_safe, judge, worst
+
+if TYPE_CHECKING:
+    from .candidates import Candidate
+    from .candidates.command import CommandProgram
+    from .compute import Result, Trace
+    from .problem import Problem
+    from .verdict import Judgement
 
 #: the seed scale (docs/design.md, "The motivating case"): 1024×1024, batch 2
 DEFAULT_SIZE, DEFAULT_BATCH, DEFAULT_SEED = 1024, 2, 0
@@ -68,6 +65,8 @@ class Diagnosis:
 
     @property
     def verdict(self) -> str:
+        from .verdict import worst
+
         return worst([self.main.verdict] + [j.verdict for _, j in self.probes])
 
     @property
@@ -91,6 +90,8 @@ class Diagnosis:
         return (named or same)[0]
 
     def to_json(self) -> dict:
+        from .verdict import json_safe, worst
+
         deciding = self.deciding()
         main = self.main.to_json()
         probes = []
@@ -136,6 +137,12 @@ def candidate_and_problem(candidate_spec: str | None, bundle: str | None, size=N
     """Resolve the candidate and the problem it is judged on (a static bundle's own, else one made here).
 
     With `device`, a problem too large for the memory free there is refused before it is allocated."""
+    from . import resources
+    from .candidates import resolve
+    from .device import resolve_device
+    from .model import ModelSpecError, load_model
+    from .problem import make_problem
+
     if bundle is not None:
         if not Path(bundle).is_dir():
             raise LabInputError(f"{bundle}: --bundle expects a directory holding bundle.json and arrays.npz")
@@ -176,6 +183,10 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
 
     `probes`: a list of precision_lab.probes.Probe (None: the defaults; [] for none).
     """
+    from . import resources
+    from .device import resolve_device
+    from .verdict import judge
+
     where = resolve_device(device)
     if not candidate.supports(where):
         raise LabInputError(f"candidate {candidate.name} runs on {', '.join(candidate.devices)} only, not {where}")
@@ -208,6 +219,9 @@ def _bar(total: int, enabled: bool):
 
 
 def _run(candidate: Candidate, problem: Problem, where) -> tuple[Result, Trace]:
+    from .candidates.command import CommandProgram
+    from .reference import reference
+
     program = getattr(candidate.run, "__self__", None)  # a command candidate's run is CommandProgram.run
     if isinstance(program, CommandProgram):
         return _overlapped(candidate, program, problem, where)
@@ -223,6 +237,8 @@ def _overlapped(candidate: Candidate, program: CommandProgram, problem: Problem,
     memory peak of a diagnosis, come after it has exited. Anything that stops the reference
     (Ctrl-C, an error) kills the program first, so nothing is left running.
     """
+    from .reference import reference
+
     program.allow_calls()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="candidate") as pool:
         running = pool.submit(candidate.compute, problem, "float32", where)
@@ -237,6 +253,11 @@ def _overlapped(candidate: Candidate, program: CommandProgram, problem: Problem,
 def _repeats(candidate, problem, where, trace, first: Result, repeats: int, bar) -> dict:
     """Run the candidate again and again on the same problem: the run-to-run spread of every quantity
     (atomics, split-K in a racing order) against its bound; beyond the bound is a race that loses updates."""
+    import numpy as np
+
+    from . import errmodel
+    from .compare import quantity_arrays
+
     runs = [quantity_arrays(first, trace)]
     for _ in range(repeats - 1):
         runs.append(quantity_arrays(candidate.compute(problem, "float32", where), trace))
@@ -270,17 +291,21 @@ def _apply_spread(judgement: Judgement, spread: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # every argument is checked before the heavy stages are imported: a typo is answered at once
+    size = options.size(args.size, "--size")
+    batch = options.positive(args.batch, "--batch")
+    seed = options.nonnegative(args.seed, "--seed")
+    repeats = options.positive(args.repeats, "--repeats")
+    chosen = probe_set.select(args.probes)
+    from .candidates import resolve
+    from .device import resolve_device
+
     if args.candidate is not None:  # `model: opaque`: the reference-free gradient check instead
         from .candidates.opaque import OpaqueCandidate, run_diagnose
 
         opaque = resolve(args.candidate)
         if isinstance(opaque, OpaqueCandidate):
             return run_diagnose(opaque, args)
-    size = options.size(args.size, "--size")
-    batch = options.positive(args.batch, "--batch")
-    seed = options.nonnegative(args.seed, "--seed")
-    repeats = options.positive(args.repeats, "--repeats")
-    chosen = probe_set.select(args.probes)
     where = resolve_device(args.device)  # a bad --device fails before anything runs
     candidate, problem = candidate_and_problem(args.candidate, args.bundle, size, batch, seed, args.model,
                                                args.image, where)

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from .errors import LabInputError
-from .problem import Problem, make_problem
+
+if TYPE_CHECKING:  # `--probes` is checked by the CLI before torch is imported
+    from .problem import Problem
 
 
 @dataclass(frozen=True)
@@ -73,5 +77,7 @@ def probe_size(probe: Probe, network) -> tuple[int, int]:
 
 def probe_problem(probe: Probe, main: Problem) -> Problem:
     """The probe's problem for the network of `main`."""
+    from .problem import make_problem
+
     return make_problem(probe_size(probe, main.network), probe.batch or main.batch,
                         max(main.seed, 0) + probe.seed_offset, network=main.network, targets=probe.targets)
