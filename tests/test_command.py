@@ -244,7 +244,7 @@ def test_diagnosis_stopped_during_the_reference_kills_the_running_program(folder
 
     import psutil
 
-    from precision_lab import diagnose as diagnose_module
+    from precision_lab import diagnose as diagnose_module, reference as reference_module
 
     pid_file = folder / "pid.txt"
     candidate = resolve(str(_yaml(folder, "sleep", env={"EXAMPLE_DIR": str(EXAMPLE.parent), "PID_FILE": str(pid_file)})))
@@ -256,7 +256,7 @@ def test_diagnosis_stopped_during_the_reference_kills_the_running_program(folder
             time.sleep(0.05)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(diagnose_module, "reference", interrupted_reference)
+    monkeypatch.setattr(reference_module, "reference", interrupted_reference)  # diagnose imports it when it runs
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         diagnose_module.diagnose(candidate, problem, "cpu")
