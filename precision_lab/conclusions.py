@@ -156,8 +156,8 @@ def layout_action(fix: str) -> str:
         steps = []
         for kind, value in _fix_parts(transform):
             if kind == "layout":
-                steps.append(f"declare the buffer {value} (weight_layout: {value}) or transpose it to the "
-                             "layout it is declared in")
+                # not "declare weight_layout {value}": that also changes the layout the weights arrive in
+                steps.append(f"transpose it from {value} to the layout it is declared in before writing")
             else:
                 steps.append(f"flip {_axes_in_words(value)} where the gradient is converted (or remove the flip "
                              "the conversion already does)")
