@@ -28,11 +28,8 @@ def _model_rows(model: dict) -> list[tuple[str, str]]:
 
 
 def diagnosis_page(diagnosis, problem=None, device_info: dict | None = None, title: str | None = None) -> str:
-    """The whole HTML document for one diagnosis (precision_lab.diagnose.Diagnosis, or a single Judgement)."""
-    from .diagnose import Diagnosis
-
-    if not isinstance(diagnosis, Diagnosis):
-        diagnosis = Diagnosis(diagnosis)  # a judgement alone: the requested problem, no probes
+    """The whole HTML document for one diagnosis (precision_lab.diagnose.Diagnosis: a judgement alone is
+    `Diagnosis(judgement)`; diagnose imports this module, so this one does not import it back)."""
     summary = diagnosis.summary()
     judgement = diagnosis.deciding()
     conclusion = conclusions.from_judgement(judgement, lead=f"{summary.candidate} is {summary.headline}.")

@@ -6,6 +6,7 @@ import torch
 from precision_lab import cli, present
 from precision_lab.candidates import resolve
 from precision_lab.device import describe_device
+from precision_lab.diagnose import Diagnosis
 from precision_lab.verdict import judge
 
 
@@ -13,7 +14,7 @@ def test_page_is_self_contained_escaped_and_ends_the_verdict_in_words(small_prob
     candidate = resolve("fortran-replay-flip")
     judgement = judge(candidate.compute(small_problem, "float32", "cpu"),
                       small_reference, "float32", "<img src=x onerror=alert(1)>")
-    page = present.diagnosis_page(judgement, small_problem, describe_device(torch.device("cpu")))
+    page = present.diagnosis_page(Diagnosis(judgement), small_problem, describe_device(torch.device("cpu")))
     assert "<script" not in page.lower() and "<img src=x" not in page
     assert "&lt;img src=x onerror=alert(1)&gt;" in page
     assert not re.search(r'(src|href)="https?:', page)  # nothing fetched

@@ -30,7 +30,8 @@ def _tracked_text_files() -> list[Path]:
     files = []
     for name in names:
         path = ROOT / name
-        if path.suffix in (".png", ".mrc", ".npz", ".npy", ".bin") or not path.is_file():
+        # this file plants dangling references to show the checker sees them
+        if path.suffix in (".png", ".mrc", ".npz", ".npy", ".bin") or not path.is_file() or path == Path(__file__):
             continue
         try:
             files.append((path, path.read_text()))
