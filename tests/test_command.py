@@ -284,3 +284,16 @@ def test_cli_exits_2_with_one_line_for_a_failing_candidate(folder, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err.count("\n") == 0 and "exited with status 3" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["{python}", "fake_v2.py", "good", "{request}", "{response}"],
+                                     ["python3", "-u", "fake_v2.py", "{request}", "{response}"]])
+def test_a_missing_script_is_named_beside_its_yaml(folder, problem, command):
+    message = _fails(_yaml(folder, command=command), problem, r"script 'fake_v2.py' not found")
+    assert f"looked for {folder / 'fake_v2.py'}" in message and "precision-lab-call" not in message
+
+
+def test_an_interpreter_without_a_script_file_is_left_alone(folder, problem):
+    # `python -c CODE`: no script to look for; the program runs (and fails for its own reason)
+    _fails(_yaml(folder, command=["{python}", "-c", "import sys; sys.exit(3)", "{response}"]), problem,
+           r"exit")
