@@ -41,6 +41,8 @@ def _run(*argv: str) -> dict:
     (["diagnose", "--candidate", "native", "--batch", "0"], 2, "--batch: must be a positive integer"),
     (["diagnose", "--candidate", "native", "--probes", "nonsense"], 2, "nonsense"),
     (["run", "--help"], 0, ""),
+    (["export", "--help"], 0, ""),
+    (["export", "--size", "3x", "--out", "unused"], 2, "--size: expected N or HxW"),
 ])
 def test_help_and_argument_errors_do_not_import_torch(argv, code, says):
     answer = _run(*argv)
