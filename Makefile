@@ -11,7 +11,7 @@ TORCH_INDEX ?=
 PARAMS      ?= params/seed.yaml
 KERNEL      := precision-lab
 
-.PHONY: help setup system-deps reports quick lab test bench clean
+.PHONY: help setup system-deps reports quick lab test bench wheels clean
 
 help: ## show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -31,10 +31,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python (precision-lab)" >/dev/null
 	@touch $@
 
-reports: setup ## run the three experiments at the seed scale and render reports/latest/index.html
+reports: setup ## run the six notebooks at the seed scale and render reports/latest/index.html
 	$(LAB) run --params $(PARAMS)
 
-quick: setup ## the same at small sizes (params/quick.yaml), for a look in a minute
+quick: setup ## the six notebooks at small sizes (params/quick.yaml), for a first look
 	$(LAB) run --params params/quick.yaml
 
 # Debian packages the end-to-end tests use: gfortran (examples/fortran), chromium + driver (browser test)
@@ -59,6 +59,18 @@ test: setup system-deps ## run the test suite (unit tests, notebooks with quick 
 
 bench: setup ## print the benchmark ratios (float64 reference, cost of a diagnosis, algorithms)
 	$(LAB) bench
+
+# what a GPU node with a CUDA torch but no network typically lacks (scripts/gpu-run.sh installs them)
+WHEELS         ?= papermill nbconvert nbformat ipykernel mrcfile pyyaml tqdm psutil pytest mpmath<1.4 dask distributed pyarrow
+WHEELS_PYTHON  ?= 3.12
+WHEELS_PLATFORM ?= manylinux2014_x86_64
+
+wheels: ## download the wheels a GPU node without network lacks into .whl/ (then: bash scripts/gpu-run.sh test)
+	mkdir -p .whl
+	$(if $(wildcard $(PYTHON)),$(PYTHON),python3) -m pip download -q --only-binary=:all: --python-version $(WHEELS_PYTHON) --implementation cp \
+	  --platform $(WHEELS_PLATFORM) --platform manylinux_2_28_x86_64 --platform linux_x86_64 -d .whl $(foreach w,$(WHEELS),'$(w)')
+	printf '%s\n' $(foreach w,$(WHEELS),'$(w)') > .whl/requirements.txt
+	@echo "now copy the project with .whl/ to the node and run: bash scripts/gpu-run.sh test (or reports)"
 
 clean: ## remove the virtual environment and build debris (keeps data/runs and reports)
 	rm -rf $(VENV) build *.egg-info

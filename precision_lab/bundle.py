@@ -1,4 +1,4 @@
-"""The exchange format (DESIGN.md, "Exchange format"): request, response and static bundles.
+"""The exchange format (docs/design.md, "Exchange format"): request, response and static bundles.
 
 A bundle is a directory holding `bundle.json` and either `arrays.npz` (C order, loaded with
 ``allow_pickle=False``) or raw binaries listed in `bundle.json` under ``"arrays"``
@@ -497,7 +497,7 @@ def read_response(directory: str | Path, precision: str, weight_layout: str,
 def problem_from_bundle(bundle: Bundle) -> Problem:
     """The Problem a request or static bundle describes (float32 values, canonical weights).
 
-    The reference starts from float32 values (DESIGN.md), so float64 arrays must hold exactly
+    The reference starts from float32 values (docs/design.md, "One way through a diagnosis"), so float64 arrays must hold exactly
     float32-representable numbers; anything else is refused rather than silently rounded.
     """
     network = bundle.network or seed_network()

@@ -3,7 +3,7 @@
     precision-lab campaign SPEC.yaml [--workers N | --scheduler ADDRESS] [--threads T] [--out DIR]
         [--max-cells N] [--retry-failed] [--no-report | --report]
 
-A spec is a grid (DESIGN.md, "Campaigns: beyond one machine"); paths in it are relative to the spec file:
+A spec is a grid (docs/design.md, "Campaigns"); paths in it are relative to the spec file:
 
 ```yaml
 name: tf32-study                  # optional (default: the file's stem)

@@ -1,6 +1,8 @@
 """`precision-lab` command line: each subcommand lives in the module that does the work.
 
-Every module named here provides `configure(parser)` and `main(args) -> int`. Bad input
+Every module named here provides `configure(parser)` and `main(args) -> int`. Only the module of
+the subcommand asked for is imported (none for `precision-lab --help`), so help and argument
+errors answer before torch, pandas or matplotlib load (docs/benchmarks.md, "Command-line start"). Bad input
 raises LabInputError (or ValueError/FileNotFoundError subclasses the modules define): printed
 on one line, exit code 2; `--debug` shows the traceback instead.
 """
@@ -21,16 +23,27 @@ SUBCOMMANDS = {
     "bench": ("precision_lab.bench", "print benchmark ratios (float64 reference, cost of a diagnosis, algorithms)"),
 }
 
+#: what `precision-lab --help` opens with: the question the lab answers
+DESCRIPTION = ("Is your gradients' difference from a float64 reference rounding error, a lower-precision mode, "
+               "a layout slip or a bug? `precision-lab COMMAND --help` for each command; docs/ for the rest.")
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="precision-lab", description=__doc__.splitlines()[0])
+
+def asked_subcommand(argv: list[str]) -> str | None:
+    """The subcommand `argv` names (the first word that is one), or None."""
+    return next((word for word in argv if word in SUBCOMMANDS), None)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; with `argv`, only the subcommand it names is configured (and its module imported)."""
+    parser = argparse.ArgumentParser(prog="precision-lab", description=DESCRIPTION)
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    asked = None if argv is None else asked_subcommand(argv)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        implementation = importlib.import_module(module)
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         sub_parser.set_defaults(module=module)
-        implementation.configure(sub_parser)
+        if argv is None or name == asked:
+            importlib.import_module(module).configure(sub_parser)
     return parser
 
 
@@ -38,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
-        parser = build_parser()
+        parser = build_parser(argv)
         args = parser.parse_args(argv)
         if not args.command:
             parser.print_help()

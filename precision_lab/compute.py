@@ -1,4 +1,4 @@
-"""One forward and backward of any network, by the op registry (DESIGN.md, "Networks").
+"""One forward and backward of any network, by the op registry (docs/design.md, "Networks").
 
 `forward_backward(problem, dtype, device, kernels)` walks the problem's network forward, takes
 the loss and ∂loss/∂output, and walks back, each layer by its op's rules (precision_lab.ops).

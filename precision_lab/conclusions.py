@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from .tables import (HtmlBlock, escape, format_factor, format_number, format_percent, format_range, format_reported,
                      verdict_chip, verdict_class, verdict_legend)
 
-#: worst first: a candidate's overall verdict across experiments is the worst one (DESIGN.md, "Verdicts")
+#: worst first: a candidate's overall verdict across experiments is the worst one (docs/design.md, "Verdicts")
 SEVERITY = ("defect", "layout", "reduced-precision", "roundoff")
 NOTHING_TO_FIX = "The difference is rounding: nothing to fix."
 #: fitted exponents α of error ÷ (u·S) ∝ nᵅ (experiments.size_sweep): operand rounding in a coarser format predicts
@@ -156,8 +156,8 @@ def layout_action(fix: str) -> str:
         steps = []
         for kind, value in _fix_parts(transform):
             if kind == "layout":
-                steps.append(f"declare the buffer {value} (weight_layout: {value}) or transpose it to the "
-                             "layout it is declared in")
+                # not "declare weight_layout {value}": that also changes the layout the weights arrive in
+                steps.append(f"transpose it from {value} to the layout it is declared in before writing")
             else:
                 steps.append(f"flip {_axes_in_words(value)} where the gradient is converted (or remove the flip "
                              "the conversion already does)")

@@ -16,22 +16,20 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from . import errmodel, options, probes as probe_set, resources
-from .candidates import Candidate, resolve
-from .candidates.command import CommandProgram
-from .compare import quantity_arrays
-from .compute import Result, Trace
-from .device import resolve_device
+# light imports only: `--help` and argument errors answer before torch is imported
+from . import options, probes as probe_set
 from .errors import LabInputError
-from .model import ModelSpecError, load_model
-from .problem import Problem, make_problem
-from .reference import reference
-from .verdict import Judgement, json_safe, judge, worst
 
-#: the seed scale (DESIGN.md): 1024×1024, batch 2
+if TYPE_CHECKING:
+    from .candidates import Candidate
+    from .candidates.command import CommandProgram
+    from .compute import Result, Trace
+    from .problem import Problem
+    from .verdict import Judgement
+
+#: the seed scale (docs/design.md, "The motivating case"): 1024×1024, batch 2
 DEFAULT_SIZE, DEFAULT_BATCH, DEFAULT_SEED = 1024, 2, 0
 
 
@@ -56,6 +54,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-calls", type=int, default=None, metavar="N",
                         help="opaque candidates: program calls the gradient check may make (default max(60, 20 + 4·tensors))")
     parser.add_argument("--html", metavar="OUT", help="write the verdict as a self-contained HTML page to this file")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print every quantity's evidence on every problem (default: the summary and what fails)")
 
 
 @dataclass
@@ -70,6 +70,8 @@ class Diagnosis:
 
     @property
     def verdict(self) -> str:
+        from .verdict import worst
+
         return worst([self.main.verdict] + [j.verdict for _, j in self.probes])
 
     @property
@@ -93,6 +95,8 @@ class Diagnosis:
         return (named or same)[0]
 
     def to_json(self) -> dict:
+        from .verdict import json_safe, worst
+
         deciding = self.deciding()
         main = self.main.to_json()
         probes = []
@@ -120,7 +124,35 @@ class Diagnosis:
                 "float64_build": json_safe(self.float64_build),
                 "repeats": json_safe(self.repeats)}
 
-    def to_text(self) -> str:
+    def summary(self) -> "Summary":
+        """What this diagnosis says, once: the text verdict and the HTML page are both written from it."""
+        deciding = self.deciding()
+        named = deciding.layout_fix or deciding.format or deciding.cause or deciding.localisation
+        label = {id(self.main): "the requested problem"}
+        label.update({id(j): f"probe {p.name}" for p, j in self.probes})
+        failing = [(label[id(self.main)], q) for q in self.main.quantities.values() if q.verdict != "roundoff"]
+        if not failing and self.verdict != "roundoff":  # only a probe fails: show where
+            failing = [(label[id(deciding)], q) for q in deciding.quantities.values() if q.verdict != "roundoff"]
+        probes = [(p.name, _problem_text(j.problem), j.verdict, j.layout_fix or j.format or j.cause or j.localisation)
+                  for p, j in self.probes]
+        repeats = None
+        if self.repeats:
+            repeats = (f"{self.repeats['runs']} runs, largest run-to-run spread ÷ bound "
+                       f"{self.repeats['worst_spread_ratio']:.3g} ({self.repeats['worst_quantity']}), "
+                       + ("bitwise reproducible" if self.repeats["bitwise_reproducible"] else "not bitwise reproducible"))
+        return Summary(candidate=self.candidate, claimed_precision=self.claimed_precision, verdict=self.verdict,
+                       named=named if self.verdict != "roundoff" else None, decided_by=label[id(deciding)],
+                       cause=deciding.cause if self.verdict != "roundoff" else None,
+                       first_failing=deciding.localisation if self.verdict != "roundoff" else None,
+                       fix=deciding.layout_advice if self.verdict != "roundoff" else None,
+                       failing=failing, within=[q.quantity for q in self.main.quantities.values()
+                                                if q.verdict == "roundoff"],
+                       probes=probes, repeats=repeats, worst_within=_worst_within(self.main))
+
+    def to_text(self, verbose: bool = False) -> str:
+        """The verdict, what names it, the fix, and only what fails; `verbose`: every quantity of every problem."""
+        if not verbose:
+            return self.summary().to_text()
         lines = [self.main.to_text()]
         if self.probe_note:
             lines.append(f"probes: {self.probe_note}")
@@ -128,14 +160,82 @@ class Diagnosis:
             lines.append(f"  repeats: {self.repeats['runs']} runs, largest run-to-run spread ÷ bound "
                          f"{self.repeats['worst_spread_ratio']:.3g} ({self.repeats['worst_quantity']})")
         for probe, judgement in self.probes:
-            p = judgement.problem
-            lines.append(f"probe {probe.name} ({p.get('size')}, batch {p.get('batch')}, seed {p.get('seed')}, "
-                         f"{p.get('targets')} targets): {judgement.headline()}")
+            lines.append(f"probe {probe.name} ({_problem_text(judgement.problem)}): {judgement.headline()}")
             if judgement.verdict != "roundoff":
                 lines += [f"  - {line}" for line in judgement.evidence[:6]]
-        deciding = self.deciding()
-        detail = deciding.layout_fix or deciding.format or deciding.cause or deciding.localisation
-        lines.append(f"overall verdict: {self.verdict}" + (f" ({detail})" if self.verdict != "roundoff" and detail else ""))
+        lines.append(f"overall verdict: {self.summary().headline}")
+        return "\n".join(lines)
+
+
+def _named(q) -> str | None:
+    return q.layout_fix or q.format or q.cause
+
+
+def _worst_within(judgement) -> str | None:
+    within = [q for q in judgement.quantities.values() if q.verdict == "roundoff"]
+    if not within:
+        return None
+    worst = max(within, key=lambda q: q.bound_ratio)
+    return f"{worst.bound_ratio:.3g}, {worst.quantity}"
+
+
+def _problem_text(problem: dict) -> str:
+    return (f"{problem.get('size')}, batch {problem.get('batch')}, seed {problem.get('seed')}, "
+            f"{problem.get('targets')} targets")
+
+
+@dataclass
+class Summary:
+    """A diagnosis in the words both the text verdict and the HTML page use (one source for both)."""
+
+    candidate: str
+    claimed_precision: str
+    verdict: str
+    named: str | None  # the transform, format, cause or first failing op that names the verdict
+    decided_by: str  # "the requested problem" or "probe NAME": the judgement that names it
+    cause: str | None  # a defect's named cause
+    first_failing: str | None  # the first failing op, or the earliest failing quantity in backprop order
+    fix: str | None  # the layout fix in words
+    failing: list = field(default_factory=list)  # (problem label, QuantityVerdict) beyond the bound
+    within: list[str] = field(default_factory=list)  # quantities of the requested problem within the bound
+    probes: list = field(default_factory=list)  # (name, problem in words, verdict, what names it)
+    repeats: str | None = None
+    worst_within: str | None = None  # "0.0123, conv2.weight": how much of the bound the closest quantity uses
+
+    @property
+    def headline(self) -> str:
+        """'layout (flip HW)', 'defect (act2 backward: mask missing)', 'roundoff'."""
+        return self.verdict + (f" ({self.named})" if self.named else "")
+
+    def to_text(self) -> str:
+        lines = [f"candidate {self.candidate}  (claimed {self.claimed_precision})",
+                 f"verdict: {self.headline}" + (f", named on {self.decided_by}"
+                                                if self.named and self.decided_by != "the requested problem" else "")]
+        if self.cause and self.cause != self.named:
+            lines.append(f"  cause: {self.cause}")
+        if self.fix:
+            lines.append(f"  fix: {self.fix}")
+        if self.first_failing:
+            lines.append(f"  where: {self.first_failing}")
+        if self.repeats:
+            lines.append(f"  repeats: {self.repeats}")
+        if self.failing:
+            lines.append(f"  beyond the bound on {self.failing[0][0]}:")
+            lines += [f"    {q.quantity:<13} {q.verdict:<17} max|err| {q.max_abs_err:9.3g}  err/bound {q.bound_ratio:9.3g}"
+                      + (f"  ({_named(q)})" if _named(q) and _named(q) != self.named else "")
+                      for _, q in self.failing]
+        if self.within:
+            lines.append(f"  within the bound: {', '.join(self.within)}"
+                         + (f" (worst error ÷ bound {self.worst_within})" if self.worst_within else ""))
+        said = {verdict + (f" ({named})" if named else "") for _, _, verdict, named in self.probes}
+        if len(said) == 1 and len(self.probes) > 1:  # the usual case: every probe agrees
+            lines.append(f"  probes: all {len(self.probes)} {said.pop()} "
+                         f"({', '.join(name for name, _, _, _ in self.probes)})")
+        elif self.probes:
+            lines.append("  probes: " + "; ".join(f"{name} {verdict}" + (f" ({named})" if named else "")
+                                                 for name, _, verdict, named in self.probes))
+        if self.verdict != "roundoff" or self.probes:
+            lines.append("  (every quantity's evidence, and each probe's: --verbose)")
         return "\n".join(lines)
 
 
@@ -144,6 +244,12 @@ def candidate_and_problem(candidate_spec: str | None, bundle: str | None, size=N
     """Resolve the candidate and the problem it is judged on (a static bundle's own, else one made here).
 
     With `device`, a problem too large for the memory free there is refused before it is allocated."""
+    from . import resources
+    from .candidates import resolve
+    from .device import resolve_device
+    from .model import ModelSpecError, load_model
+    from .problem import make_problem
+
     if bundle is not None:
         if not Path(bundle).is_dir():
             raise LabInputError(f"{bundle}: --bundle expects a directory holding bundle.json and arrays.npz")
@@ -184,6 +290,10 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
 
     `probes`: a list of precision_lab.probes.Probe (None: the defaults; [] for none).
     """
+    from . import resources
+    from .device import resolve_device
+    from .verdict import judge
+
     where = resolve_device(device)
     if not candidate.supports(where):
         raise LabInputError(f"candidate {candidate.name} runs on {', '.join(candidate.devices)} only, not {where}")
@@ -253,6 +363,9 @@ def _bar(total: int, enabled: bool):
 
 
 def _run(candidate: Candidate, problem: Problem, where) -> tuple[Result, Trace]:
+    from .candidates.command import CommandProgram
+    from .reference import reference
+
     program = getattr(candidate.run, "__self__", None)  # a command candidate's run is CommandProgram.run
     if isinstance(program, CommandProgram):
         return _overlapped(candidate, program, problem, where)
@@ -268,6 +381,8 @@ def _overlapped(candidate: Candidate, program: CommandProgram, problem: Problem,
     memory peak of a diagnosis, come after it has exited. Anything that stops the reference
     (Ctrl-C, an error) kills the program first, so nothing is left running.
     """
+    from .reference import reference
+
     program.allow_calls()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="candidate") as pool:
         running = pool.submit(candidate.compute, problem, "float32", where)
@@ -282,6 +397,11 @@ def _overlapped(candidate: Candidate, program: CommandProgram, problem: Problem,
 def _repeats(candidate, problem, where, trace, first: Result, repeats: int, bar) -> dict:
     """Run the candidate again and again on the same problem: the run-to-run spread of every quantity
     (atomics, split-K in a racing order) against its bound; beyond the bound is a race that loses updates."""
+    import numpy as np
+
+    from . import errmodel
+    from .compare import quantity_arrays
+
     runs = [quantity_arrays(first, trace)]
     for _ in range(repeats - 1):
         runs.append(quantity_arrays(candidate.compute(problem, "float32", where), trace))
@@ -315,24 +435,28 @@ def _apply_spread(judgement: Judgement, spread: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # every argument is checked before the heavy stages are imported: a typo is answered at once
+    size = options.size(args.size, "--size")
+    batch = options.positive(args.batch, "--batch")
+    seed = options.nonnegative(args.seed, "--seed")
+    repeats = options.positive(args.repeats, "--repeats")
+    chosen = probe_set.select(args.probes)
+    from .candidates import resolve
+    from .device import resolve_device
+
     if args.candidate is not None:  # `model: opaque`: the reference-free gradient check instead
         from .candidates.opaque import OpaqueCandidate, run_diagnose
 
         opaque = resolve(args.candidate)
         if isinstance(opaque, OpaqueCandidate):
             return run_diagnose(opaque, args)
-    size = options.size(args.size, "--size")
-    batch = options.positive(args.batch, "--batch")
-    seed = options.nonnegative(args.seed, "--seed")
-    repeats = options.positive(args.repeats, "--repeats")
-    chosen = probe_set.select(args.probes)
     where = resolve_device(args.device)  # a bad --device fails before anything runs
     candidate, problem = candidate_and_problem(args.candidate, args.bundle, size, batch, seed, args.model,
                                                args.image, where)
     diagnosis = diagnose(candidate, problem, args.device, chosen, repeats, progress=sys.stderr.isatty())
     print(f"problem: {problem.size_text}, batch {problem.batch}, seed {problem.seed}, {problem.source}, "
           f"network {problem.network.name}")
-    print(diagnosis.to_text())
+    print(diagnosis.to_text(verbose=getattr(args, "verbose", False)))
     if args.json:
         out = Path(args.json)
         try:
@@ -344,5 +468,5 @@ def main(args: argparse.Namespace) -> int:
         from .device import describe_device
         from .present import write_diagnosis_page
 
-        write_diagnosis_page(args.html, diagnosis.main, problem, describe_device(resolve_device(args.device)))
+        write_diagnosis_page(args.html, diagnosis, problem, describe_device(resolve_device(args.device)))
     return 0 if diagnosis.verdict == "roundoff" else 1

@@ -1,4 +1,4 @@
-"""The doctors: what explains a quantity beyond its bound (DESIGN.md, "Explaining a verdict").
+"""The doctors: what explains a quantity beyond its bound (docs/design.md, "Explaining a verdict").
 
 Each reads the comparisons (precision_lab.compare) and the float64 reference and writes its
 findings into the judgement; none changes an earlier stage.
@@ -64,7 +64,7 @@ FINGERPRINT_Z = 5.0
 #: correlations need this many elements to mean anything
 FINGERPRINT_MIN_ELEMENTS = 16
 
-#: passes an emulated format may act in (DESIGN.md, "Precision fingerprint")
+#: passes an emulated format may act in (docs/design.md, "Explaining a verdict")
 PASSES = ("all", "forward", "input_grad", "weight_grad")
 
 
@@ -121,21 +121,28 @@ def layout_fits(buffer: GradBuffer, ref: np.ndarray, bound: np.ndarray) -> list[
     return fits
 
 
-def layout_advice(name: str, buffer: GradBuffer, held: str, flipped: tuple[str, ...], ndim: int) -> str:
-    """The fix in words: what the buffer holds, and how to declare or convert it."""
+def layout_advice(name: str, buffer: GradBuffer, held: str, flipped: tuple[str, ...], ndim: int,
+                  also: tuple[str, ...] = ()) -> str:
+    """The fix in words: what the buffer holds, and how to convert it before writing.
+
+    Only the conversion is offered: re-declaring weight_layout would also change the layout the
+    request's weights arrive in, so it is not the same program with the bug fixed. `also` names the
+    other gradients the same fix applies to.
+    """
     declared = layout_for(ndim, buffer.declared) if len(buffer.declared) == 4 else buffer.declared
     order = "Fortran (column-major) order" if buffer.order == "F" else "C (row-major) order"
+    names = [name, *also]
+    it = "it" if len(names) == 1 else "each"
     steps = []
     if held != declared:
         permutation = tuple(held.index(c) for c in declared)
-        steps.append(f"the buffer holds {held} but is declared {declared} ({order}): declare weight_layout "
-                     f"{held if len(buffer.declared) != 4 or ndim == 4 else buffer.declared}, or transpose it to "
-                     f"{declared} before writing (numpy: g.transpose{permutation})")
+        steps.append(f"{it} holds {held} but is declared {declared} ({order}): transpose {it} to {declared} before "
+                     f"writing (numpy: g.transpose{permutation})")
     if flipped:
         axes = " and ".join(flipped)
-        steps.append(f"it is reversed along {axes}: flip {axes} before writing (a convolution where cuDNN and "
+        steps.append(f"{it} is reversed along {axes}: flip {axes} before writing (a convolution where cuDNN and "
                      f"PyTorch compute a cross-correlation, or a flip in the conversion)")
-    return f"{name}.grad: " + "; ".join(steps)
+    return ", ".join(f"{n}.grad" for n in names) + ": " + "; ".join(steps)
 
 
 def layouts(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
@@ -164,7 +171,8 @@ def layouts(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
         common = [fit for fit in first if all(fit in fits for _, fits, _ in found.values())] or first[:1]
         name = min((n for n in found if common[0] in found[n][1]), key=lambda n: len(found[n][1]))
         buffer, _, ndim = found[name]
-        judgement.layout_advice = layout_advice(name, buffer, common[0][0], common[0][1], ndim)
+        applies = [n for n in found if common[0] in found[n][1]]  # every buffer the fix applies to, in network order
+        judgement.layout_advice = layout_advice(applies[0], buffer, common[0][0], common[0][1], ndim, tuple(applies[1:]))
 
 
 # ---------------------------------------------------------------------------------------------

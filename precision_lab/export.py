@@ -2,7 +2,7 @@
 
 The output folder lets an external test suite judge its own program without the lab::
 
-    OUT/request/     the request bundle (DESIGN.md, "Exchange format"): feed it to your program
+    OUT/request/     the request bundle (docs/design.md, "Exchange format"): feed it to your program
     OUT/reference/   bundle.json (kind "reference") and the float64 results, in the same weight
                      layout and array format as the request: loss, output, conv{k}.weight.grad,
                      conv{k}.bias.grad, and for each of them `<name>.bound`
@@ -19,20 +19,18 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
+from typing import TYPE_CHECKING
 
-import torch
-
-from . import errmodel, resources
-from .bundle import write_bundle, write_request
-from .device import resolve_device
-from .errors import LabInputError
-from .layout import check_layout, to_layout
-from .compute import Trace
-from .model import ModelSpecError, load_model
-from .problem import Problem, make_problem
-from .reference import reference
+# light imports only: `export --help` and argument errors answer before torch is imported
 from . import options
+from .errors import LabInputError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from .compute import Trace
+    from .problem import Problem
 
 EXPORT_PRECISIONS = ("float32", "float64")
 CHECK = "for every array X with X.bound: all(|X_yours - X| <= X.bound), elementwise, X in weight_layout"
@@ -54,6 +52,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # the numbers first: a typo is answered before the heavy stages are imported
+    asked_size = options.size(args.size, "--size")
+    batch = options.positive(args.batch, "--batch")
+    seed = options.nonnegative(args.seed, "--seed")
+    from . import resources
+    from .device import resolve_device
+    from .layout import check_layout
+    from .model import ModelSpecError, load_model
+    from .problem import make_problem
+
     try:
         check_layout(args.layout)
     except ValueError as exc:
@@ -62,15 +70,14 @@ def main(args: argparse.Namespace) -> int:
         network = load_model(args.model)
     except ModelSpecError as exc:
         raise LabInputError(f"--model: {exc}") from None
-    size = options.size(args.size, "--size") or network.default_size(1024)
-    batch = options.positive(args.batch, "--batch")
+    size = asked_size or network.default_size(1024)
     device = resolve_device(args.device)
     try:
         network.check_size(*size)
     except ModelSpecError as exc:
         raise LabInputError(f"--size: {exc}") from None
     resources.check_fits(network, batch, size[0], size[1], device, "this export")  # before anything is allocated
-    problem = make_problem(size, batch, options.nonnegative(args.seed, "--seed"), network=network)
+    problem = make_problem(size, batch, seed, network=network)
     out = export(problem, args.out, args.precision, args.layout, args.raw, device)
     print(f"request bundle:   {out / 'request'}")
     print(f"reference+bounds: {out / 'reference'}  (check: {CHECK})")
@@ -84,6 +91,9 @@ def export(problem: Problem, out: str | Path, precision: str = "float32", weight
     Everything is written to a temporary sibling folder first and renamed into place at the end,
     so an interrupted export leaves no half-written OUT.
     """
+    from .bundle import write_bundle, write_request
+    from .reference import reference
+
     out = Path(out)
     _refuse_existing(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -94,7 +104,7 @@ def export(problem: Problem, out: str | Path, precision: str = "float32", weight
         write_bundle(staging / "reference", "reference", "float64", weight_layout,
                      reference_arrays(problem, trace, precision, weight_layout), raw, network=problem.network,
                      extra={"bound_precision": precision, "problem": problem.describe(), "check": CHECK,
-                            "bound_source": "precision_lab.errmodel (DESIGN.md, error-accumulation model) at "
+                            "bound_source": "precision_lab.errmodel (docs/design.md, 'Error-accumulation model') at "
                                             f"{precision} plus its float64 bound for the reference's own rounding"})
         if out.exists():
             out.rmdir()  # empty (checked above): replaced by the finished export
@@ -113,11 +123,17 @@ def _refuse_existing(out: Path) -> None:
 
 def quantity_bounds(trace: Trace, precision: str) -> dict[str, np.ndarray]:
     """Per-element bounds at `precision`: loss, output and every parameter gradient."""
+    from . import errmodel
+
     return {name: bound.bound for name, bound in errmodel.error_bounds(trace, precision).items()}
 
 
 def reference_arrays(problem: Problem, trace: Trace, precision: str, weight_layout: str) -> dict[str, np.ndarray]:
     """Reference results and their bounds, named and laid out as a response would be."""
+    import numpy as np
+
+    from .layout import to_layout
+
     claimed, own = quantity_bounds(trace, precision), quantity_bounds(trace, "float64")
     values = {"loss": np.asarray(trace.loss, np.float64), "output": np.asarray(trace.output, np.float64)}
     values.update({f"{name}.grad": np.asarray(trace.grads[name], np.float64) for name in problem.network.parameter_names})

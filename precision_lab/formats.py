@@ -19,7 +19,7 @@ UNIT_ROUNDOFF = {name: 2.0 ** -p for name, p in SIGNIFICAND_BITS.items()}
 #: formats whose arithmetic is float32 but whose conv *inputs* are rounded to fewer bits
 REDUCED_FORMATS = ("tf32", "bfloat16", "float16")
 
-#: the storage dtype a claimed precision exchanges arrays in (DESIGN.md: float32 for tf32/bf16/fp16)
+#: the storage dtype a claimed precision exchanges arrays in (docs/design.md, "Exchange format": float32 for tf32/bf16/fp16)
 STORAGE_DTYPE = {"float64": "float64", "float32": "float32", "tf32": "float32",
                  "bfloat16": "float32", "float16": "float32"}
 

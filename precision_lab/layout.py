@@ -1,4 +1,4 @@
-"""Weight layouts: any permutation of the letters O, I, H, W (DESIGN.md, exchange format).
+"""Weight layouts: any permutation of the letters O, I, H, W (docs/design.md, "Exchange format").
 
 4-D (conv2d) weights are canonically OIHW; 2-D (linear) weights OI and keep the relative order of
 O and I of the declared layout (HWIO → IO, OIHW → OI).

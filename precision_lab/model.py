@@ -1,4 +1,4 @@
-"""Networks as model specs (DESIGN.md, "Networks: any architecture, not only the seed's").
+"""Networks as model specs (docs/design.md, "Networks").
 
 A model spec describes a network in one of two forms, both valid in `bundle.json`:
 
@@ -28,7 +28,7 @@ from typing import Any
 from .errors import LabInputError
 from .ops import OPS, LOSSES, OpSpecError
 
-#: the seed network (DESIGN.md, "The motivating case"): the default everywhere
+#: the seed network (docs/design.md, "The motivating case"): the default everywhere
 SEED_SPEC = {"channels": [1, 16, 16, 1], "kernel_size": 3, "padding": 1, "activation": "relu", "loss": "mse"}
 
 SEED_FORM_KEYS = ("channels", "kernel_size", "padding", "activation", "loss", "bias", "name")
@@ -480,9 +480,3 @@ def _load_file(path: Path, given: str) -> Network:
         object.__setattr__(network, "name", path.stem)
     return network
 
-
-def from_module(module, input_channels: int | None = None, loss: str = "mse", name: str | None = None) -> Network:
-    """A Network from an nn.Sequential or torch.fx-traceable module (precision_lab.modules.from_module)."""
-    from .modules import from_module as convert  # modules builds on this module: imported when asked
-
-    return convert(module, input_channels, loss, name)

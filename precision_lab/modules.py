@@ -1,4 +1,4 @@
-"""Networks as PyTorch modules, both ways (DESIGN.md, "Networks": "A PyTorch module built from these ops").
+"""Networks as PyTorch modules, both ways (docs/design.md, "Networks").
 
 * `SpecModule(network)`: the spec as an `nn.Module` (nn.Conv2d / nn.Linear under the layer names,
   functional ops between them), so `state_dict` names are the spec's parameter names; the

@@ -6,7 +6,7 @@ names the option and what it takes (`--seed: must be a non-negative integer, got
 from __future__ import annotations
 
 from .errors import LabInputError
-from .problem import ProblemError, parse_size
+from .sizes import ProblemError, parse_size
 
 
 def integer(text, option: str, minimum: int, words: str) -> int:

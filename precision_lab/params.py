@@ -335,3 +335,23 @@ _MEANING = {"size": ("integer", _positive_size), "sizes": ("integers", _sizes),
             "device": ("string", _device), "candidates": ("strings", _candidates), "image": ("string", _image),
             "trajectory_size": ("integer", _positive_size), "model": ("string", _model),
             "opaque_candidates": ("strings", _candidates)}
+
+
+def from_papermill(**values):
+    """List parameters as a notebook received them, turned into lists: `papermill NB OUT -p candidates
+    "[native, fortran-replay-flip]"` injects that text as a string (papermill's `-p` only knows numbers,
+    booleans and None), so its YAML flow form is read here; a single value becomes a list of one.
+    Lists (`-y`, `precision-lab run -p`) pass unchanged. One value in, one out; several, a tuple.
+    """
+    out = []
+    for name, value in values.items():
+        if isinstance(value, str) and value.strip().startswith(("[", "{")):
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                raise LabInputError(f"parameter {name!r}: {value!r} is not a list: write it as \"[a, b]\" "
+                                    f"(papermill -p {name} \"[a, b]\", or -y \"{name}: [a, b]\")") from None
+        if not isinstance(value, (list, tuple, dict)):
+            value = [value]  # `-p candidates native`: one candidate
+        out.append(list(value) if isinstance(value, tuple) else value)
+    return out[0] if len(out) == 1 else tuple(out)

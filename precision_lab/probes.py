@@ -1,4 +1,4 @@
-"""Probes: a few small problems judged beside the one asked for (DESIGN.md, "Probes").
+"""Probes: a few small problems judged beside the one asked for (docs/design.md, "Probes").
 
 Boundary and indexing bugs shrink as 1/H while the rounding bound grows as √n: a gradient that
 ignores one image column is within the float32 bound at 1024² and far outside it at 64². A
@@ -21,8 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from .errors import LabInputError
-from .problem import MIN_SIDE, Problem, make_problem
+from .sizes import MIN_SIDE
+
+if TYPE_CHECKING:  # `--probes` is checked by the CLI before torch is imported
+    from .problem import Problem
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,8 @@ def probe_size(probe: Probe, network, main_size: tuple[int, int] | None = None) 
 
 def probe_problem(probe: Probe, main: Problem) -> Problem:
     """The probe's problem for the network of `main`."""
+    from .problem import make_problem
+
     network = main.network
     extra_batch, extra_seed = FIXED_SIZE_EXTRA.get(probe.name, (0, 0)) if network.has_fixed_size else (0, 0)
     return make_problem(probe_size(probe, network, (main.height, main.width)),

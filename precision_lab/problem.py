@@ -24,45 +24,17 @@ Documented choices (reproducible from `seed`):
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .errors import LabInputError
+from .sizes import MIN_SIDE, ProblemError, parse_size  # light: the CLI checks sizes before importing torch
 from .model import Network, load_model, seed_network
 
 #: what `targets` may say: the task's own targets, or random ones (a probe that decorrelates the gradient)
 TARGET_KINDS = ("task", "random")
-#: the smallest side an image may have (a 3×3 kernel, pooling, a probe): below it nothing is learnt
-MIN_SIDE = 4
-
-
-class ProblemError(LabInputError):
-    """Bad problem input (image file, size, batch): the message names the file and the fix."""
-
-
-def parse_size(value, what: str = "size") -> tuple[int, int]:
-    """An image size from `N`, `HxW` (also 'H×W'), an int or an (H, W) pair; ProblemError otherwise."""
-    if isinstance(value, bool):
-        raise ProblemError(f"{what}: expected N or HxW (e.g. 1024 or 61x67), got {value!r}")
-    if isinstance(value, int):
-        pair = (value, value)
-    elif isinstance(value, (tuple, list)) and len(value) == 2 and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
-        pair = (int(value[0]), int(value[1]))
-    elif isinstance(value, str) and re.fullmatch(r"\s*\d+\s*([x×X]\s*\d+\s*)?", value):
-        numbers = [int(n) for n in re.findall(r"\d+", value)]
-        pair = (numbers[0], numbers[-1]) if len(numbers) == 2 else (numbers[0], numbers[0])
-    else:
-        raise ProblemError(f"{what}: expected N or HxW (e.g. 1024 or 61x67), got {value!r}")
-    if min(pair) < MIN_SIDE:
-        raise ProblemError(f"{what}: {pair[0]}×{pair[1]} is too small (each side at least {MIN_SIDE})")
-    return pair
-
-
 def size_text(height: int, width: int) -> str:
     return f"{height}×{width}"
 

@@ -1,4 +1,4 @@
-"""The float64 reference: the same problem in float64, inputs cast exactly from float32 (DESIGN.md).
+"""The float64 reference: the same problem in float64, inputs cast exactly from float32 (docs/design.md, "One way through a diagnosis").
 
 Stock PyTorch float64 convolution on CPU goes through ATen's slow im2col path (no oneDNN for
 float64) and costs ~6-20× the float32 run. On a CPU the reference runs the 3×3 stride-1

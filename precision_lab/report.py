@@ -484,10 +484,29 @@ def write_index(report_tmp: Path, data_tmp: Path, plan: RunPlan, provenance: dic
         device_rows=_device_rows(provenance),
         duration=f"{provenance.get('seconds', 0):.0f} s",
         git_commit_short=(provenance["git"].get("commit") or "unknown")[:12],
-        command_line=shlex.join(provenance["command_line"]))
+        command_line=shlex.join(shown_path(arg) for arg in provenance["command_line"]),
+        cwd=shown_path(provenance.get("cwd") or "."),
+        params_file=shown_path(provenance["params_file"]) if provenance.get("params_file") else None)
     path = report_tmp / "index.html"
     path.write_text(page, encoding="utf-8")
     return path
+
+
+def shown_path(text: str) -> str:
+    """A path as the index shows it: relative to the project when inside it, `~` for the home folder;
+    provenance.json keeps it as run (a rerun needs it), a page forwarded to others need not show the machine's."""
+    from .paths import ROOT
+
+    path = Path(text)
+    if not path.is_absolute():
+        return text
+    if path == ROOT or path.is_relative_to(ROOT):
+        relative = path.relative_to(ROOT).as_posix()
+        return "." if relative == "." else relative
+    home = Path.home()
+    if home != Path("/") and path.is_relative_to(home):
+        return "~/" + path.relative_to(home).as_posix()
+    return text
 
 
 def _value_used(plan: RunPlan, name: str):

@@ -20,7 +20,7 @@ import numpy as np
 
 STYLESHEET = Path(__file__).resolve().parent / "templates" / "report.css"
 
-#: what each verdict means, as the legend under a verdict column says it (DESIGN.md, "Verdicts")
+#: what each verdict means, as the legend under a verdict column says it (docs/design.md, "Verdicts")
 VERDICT_MEANINGS = {
     "roundoff": "within the rounding bound of the claimed precision",
     "reduced-precision": "beyond it, but a coarser format (TF32, bfloat16, float16) explains it",

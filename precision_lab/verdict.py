@@ -1,4 +1,4 @@
-"""Verdicts: comparisons explained by the doctors, per quantity and overall (DESIGN.md, "Verdicts").
+"""Verdicts: comparisons explained by the doctors, per quantity and overall (docs/design.md, "Verdicts").
 
 One diagnosis runs one way: the problem → the float64 reference trace (precision_lab.reference)
 → the bounds (precision_lab.errmodel) → the comparisons (precision_lab.compare) → the doctors
@@ -76,7 +76,7 @@ class Judgement:
                             overall=self.verdict)
 
     def to_json(self) -> dict:
-        """DESIGN.md's diagnose JSON: candidate, verdict, claimed_precision, parameters, plus evidence."""
+        """The diagnose JSON (docs/verdicts.md): candidate, verdict, claimed_precision, parameters, plus evidence."""
         per = {name: json_safe(asdict(q)) for name, q in self.quantities.items()}
         return {"candidate": self.candidate, "verdict": self.verdict, "claimed_precision": self.claimed_precision,
                 "layout_fix": self.layout_fix, "layout_advice": self.layout_advice, "format": self.format,

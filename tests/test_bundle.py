@@ -1,4 +1,4 @@
-"""The exchange format (DESIGN.md): bundles written and read back, and every bad bundle refused in one line."""
+"""The exchange format (docs/design.md, "Exchange format"): bundles written and read back, and every bad bundle refused in one line."""
 from __future__ import annotations
 
 import io

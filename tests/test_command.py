@@ -244,7 +244,7 @@ def test_diagnosis_stopped_during_the_reference_kills_the_running_program(folder
 
     import psutil
 
-    from precision_lab import diagnose as diagnose_module
+    from precision_lab import diagnose as diagnose_module, reference as reference_module
 
     pid_file = folder / "pid.txt"
     candidate = resolve(str(_yaml(folder, "sleep", env={"EXAMPLE_DIR": str(EXAMPLE.parent), "PID_FILE": str(pid_file)})))
@@ -256,7 +256,7 @@ def test_diagnosis_stopped_during_the_reference_kills_the_running_program(folder
             time.sleep(0.05)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(diagnose_module, "reference", interrupted_reference)
+    monkeypatch.setattr(reference_module, "reference", interrupted_reference)  # diagnose imports it when it runs
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         diagnose_module.diagnose(candidate, problem, "cpu")
@@ -284,3 +284,16 @@ def test_cli_exits_2_with_one_line_for_a_failing_candidate(folder, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err.count("\n") == 0 and "exited with status 3" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["{python}", "fake_v2.py", "good", "{request}", "{response}"],
+                                     ["python3", "-u", "fake_v2.py", "{request}", "{response}"]])
+def test_a_missing_script_is_named_beside_its_yaml(folder, problem, command):
+    message = _fails(_yaml(folder, command=command), problem, r"script 'fake_v2.py' not found")
+    assert f"looked for {folder / 'fake_v2.py'}" in message and "precision-lab-call" not in message
+
+
+def test_an_interpreter_without_a_script_file_is_left_alone(folder, problem):
+    # `python -c CODE`: no script to look for; the program runs (and fails for its own reason)
+    _fails(_yaml(folder, command=["{python}", "-c", "import sys; sys.exit(3)", "{response}"]), problem,
+           r"exit")

@@ -51,11 +51,12 @@ def test_a_flip_names_the_flip_and_the_quantities_beyond_the_bound(judged):
     assert beyond.value == f"{worst.exceeding} of {worst.size}"
 
 
-def test_a_swapped_layout_says_which_layout_to_declare(judged):
+def test_a_swapped_layout_says_which_layout_to_convert_from(judged):
     j = judged["weight-grad-swapped-in-out"]
     assert j.verdict == "layout" and j.layout_fix.startswith("layout IOHW")
     action = conclusions.action_for(j)
-    assert "declare the buffer IOHW (weight_layout: IOHW)" in action
+    assert "transpose it from IOHW to the layout it is declared in before writing" in action
+    assert "weight_layout" not in action  # re-declaring also changes how the weights arrive: not equivalent
 
 
 def test_tf32_says_turn_it_off_or_compare_against_a_tf32_bound(judged):
@@ -84,7 +85,7 @@ def test_per_quantity_layout_fixes_give_one_instruction_each():
     action = conclusions.layout_action("conv1.weight: flip H; conv2.weight: layout OIWH")
     assert action.startswith("Conv1.weight: the gradient matches once flipped in H")
     assert "conv2.weight: the gradient matches once read as OIWH" in action
-    assert "declare the buffer OIWH" in action
+    assert "transpose it from OIWH" in action
 
 
 # ---------------------------------------------------------------------------------------------

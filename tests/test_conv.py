@@ -15,7 +15,7 @@ from precision_lab.conv.winograd_matrices import winograd_matrices
 from precision_lab.conv import NativeConv
 
 U32 = 2.0 ** -24  # float32 unit roundoff
-U_BF16 = 2.0 ** -8  # bfloat16 unit roundoff (DESIGN.md, "Error-accumulation model")
+U_BF16 = 2.0 ** -8  # bfloat16 unit roundoff (docs/design.md, "Error-accumulation model")
 #: float64 algorithms must agree with PyTorch's float64 convolution to this (issue 5's 1e-13; u64 ≈ 1.1e-16)
 FLOAT64_AGREEMENT = 1e-13
 #: (N, C_in, C_out, H, W): odd sizes and few channels (padding and tiling edges), and the seed's 16→16
@@ -239,7 +239,7 @@ def test_record_kernels_names_cudnn_kernels_on_gpu():
 
 
 def test_algorithms_experiment_judges_every_algorithm_roundoff():
-    # the lab must not cry wolf at a legitimate summation order (DESIGN.md, "Error-accumulation model")
+    # the lab must not cry wolf at a legitimate summation order (docs/design.md, "Error-accumulation model")
     from precision_lab.experiments import algorithms as experiment
     from precision_lab.results import SUMMARY_COLUMNS
 

@@ -91,7 +91,7 @@ def test_the_device_candidates_get_their_verdicts(name, verdict, detail, device)
     diagnosis = diagnose(candidate, problem, device=str(device), probes=[])
     found = diagnosis.to_json()
     if name == "native-tf32" and diagnosis.verdict == "roundoff":
-        # inside the float32 bound at this size: the fingerprint must still name the format (DESIGN.md)
+        # inside the float32 bound at this size: the fingerprint must still name the format (docs/design.md, "Explaining a verdict")
         assert found["format"] and "tf32" in found["format"]
         return
     assert diagnosis.verdict == verdict

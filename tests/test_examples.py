@@ -1,7 +1,8 @@
 """The example candidates judged end to end: the Fortran program (right and with the flip slip) and the numpy one.
 
 The Fortran tests need gfortran (`make system-deps` installs it); they skip, saying so, only
-when it cannot be found. The first call builds examples/fortran/build/ (git-ignored).
+when it cannot be found. The first call builds the binaries in a cache folder outside the source
+tree (examples/fortran/run.sh says where).
 """
 from __future__ import annotations
 
@@ -44,6 +45,31 @@ def _judge(spec: Path, problem, ref, precision="float32"):
     result = candidate.compute(problem, precision)
     claimed = candidate.claimed_precision if precision == "float32" else "float64"
     return judge(result, ref, claimed, candidate.name), result
+
+
+def _fortran_call(tmp_path, env_extra: dict) -> subprocess.CompletedProcess:
+    import os
+
+    env = {key: os.environ[key] for key in ("PATH", "HOME", "LANG") if key in os.environ}
+    return subprocess.run([sys.executable, "-m", "precision_lab.cli", "diagnose", "--candidate", str(FORTRAN),
+                           "--size", "16", "--probes", "none"], capture_output=True, text=True,
+                          env={**env, "XDG_CACHE_HOME": str(tmp_path / "cache"), **env_extra}, cwd=tmp_path)
+
+
+def test_fortran_example_without_a_compiler_says_so_in_one_line(tmp_path):
+    run = _fortran_call(tmp_path, {"FC": "no-such-fortran-compiler"})
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.count("\n") == 1 and "no Fortran compiler: 'no-such-fortran-compiler' not found" in run.stderr
+    assert "f77" not in run.stderr and not (FORTRAN.parent / "build").exists()
+
+
+@needs_gfortran
+def test_fortran_example_builds_outside_the_source_tree(tmp_path):
+    before = sorted(p.name for p in FORTRAN.parent.iterdir())
+    run = _fortran_call(tmp_path, {})
+    assert run.returncode == 0 and "verdict: roundoff" in run.stdout, run.stderr
+    assert sorted(p.name for p in FORTRAN.parent.iterdir()) == before  # nothing left in examples/fortran/
+    assert list((tmp_path / "cache" / "precision-lab").glob("fortran-*/cnn32"))  # the binary went to the cache
 
 
 def test_python_example_is_roundoff(problem, ref):

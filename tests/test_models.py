@@ -12,7 +12,7 @@ from precision_lab import cli
 from precision_lab.candidates import resolve
 from precision_lab.compute import autograd_forward_backward, forward_backward
 from precision_lab.model import SEED_SPEC, ModelSpecError, load_model, parse_spec
-from precision_lab.model import from_module  # the public name (issue 13); precision_lab.modules holds it
+from precision_lab.modules import from_module  # the public name: precision_lab.model never imports modules
 from precision_lab.paths import ROOT
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from precision_lab import cli
 from precision_lab.candidates import resolve
 from precision_lab.diagnose import diagnose
-from precision_lab.model import ModelSpecError, from_module, load_model
+from precision_lab.model import ModelSpecError, load_model
+from precision_lab.modules import from_module
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference
 

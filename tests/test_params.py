@@ -5,6 +5,7 @@ import pytest
 
 from precision_lab import params
 from precision_lab.errors import LabInputError
+from precision_lab.paths import NOTEBOOKS_DIR
 
 FIXTURES = Path(__file__).parent / "fixtures" / "notebooks"
 
@@ -144,3 +145,58 @@ def test_the_optimizer_notebooks_trajectory_size_is_null_or_a_valid_size():
         check({"trajectory_size": "big"}, declared)
     with pytest.raises(LabInputError, match=r"-p trajectory_size: image size 4 is too small"):
         check({"trajectory_size": 4}, declared)
+
+
+# ---------------------------------------------------------------------------------------------
+# list parameters through papermill's own `-p` (a string) — precision_lab.params.from_papermill
+
+
+def test_from_papermill_reads_the_text_papermill_p_passes():
+    from precision_lab.params import from_papermill
+
+    assert from_papermill(candidates="[native, fortran-replay-flip]") == ["native", "fortran-replay-flip"]
+    assert from_papermill(sizes="[64, 128]", candidates=["native"]) == ([64, 128], ["native"])
+    assert from_papermill(candidates="native") == ["native"] and from_papermill(sizes=64) == [64]
+    with pytest.raises(LabInputError, match=r"parameter 'candidates': '\[native,' is not a list: write it as"):
+        from_papermill(candidates="[native,")
+
+
+def _list_parameters(notebook) -> list[str]:
+    import ast
+    import json
+
+    cells = json.loads(notebook.read_text())["cells"]
+    source = "".join(next(c for c in cells if "parameters" in c.get("metadata", {}).get("tags", []))["source"])
+    return [n.targets[0].id for n in ast.parse(source).body
+            if isinstance(n, ast.Assign) and isinstance(n.value, (ast.List, ast.Dict))]
+
+
+@pytest.mark.parametrize("notebook", sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]-*.ipynb")), ids=lambda p: p.stem)
+def test_every_list_parameter_is_read_through_from_papermill_before_use(notebook):
+    import json
+
+    cells = [c for c in json.loads(notebook.read_text())["cells"] if c["cell_type"] == "code"]
+    first = "".join(cells[[i for i, c in enumerate(cells) if "parameters" in c.get("metadata", {}).get("tags", [])][0] + 1]
+                    ["source"])
+    import re
+
+    call = re.search(r"^(.*)= from_papermill\((.*)\)", first, re.M)
+    names = _list_parameters(notebook)
+    assert call or not names, f"{notebook.name}: {names} are not read through from_papermill"
+    for name in names:
+        assert f"{name}={name}" in call.group(2), (notebook.name, name)
+        code = "\n".join(line for line in first[:call.start()].splitlines() if not line.startswith(("from ", "import ")))
+        assert not re.search(rf"\b{name}\b", code), f"{notebook.name}: {name} used before it is read"
+
+
+@pytest.mark.slow
+def test_a_notebook_takes_a_list_from_papermill_p(tmp_path):
+    import papermill
+
+    # exactly what `papermill 02-….ipynb out.ipynb -p size 16 -p candidates "[native, fortran-replay-flip]"` passes
+    papermill.execute_notebook(str(NOTEBOOKS_DIR / "02-float64-recompilation.ipynb"), str(tmp_path / "out.ipynb"),
+                               parameters={"size": 16, "candidates": "[native, fortran-replay-flip]",
+                                           "device": "cpu", "run_dir": str(tmp_path)},
+                               kernel_name="precision-lab", progress_bar=False, log_output=False)
+    summary = (tmp_path / "02-float64-recompilation" / "summary.csv").read_text()
+    assert "fortran-replay-flip" in summary and "native" in summary

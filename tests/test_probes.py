@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from precision_lab import conclusions
 from precision_lab.candidates import registry, resolve
 from precision_lab.diagnose import diagnose
 from precision_lab.problem import make_problem
@@ -136,8 +137,21 @@ def test_raw_fortran_buffer_holding_ohwi_is_named_with_its_fix(tmp_path, problem
     for name in ("conv3.weight", "conv1.bias", "conv2.bias", "conv3.bias", "loss", "output"):
         assert diagnosis.quantities[name].verdict == "roundoff", name
     advice = diagnosis.to_json()["layout_advice"]
-    assert "the buffer holds OHWI but is declared HWIO (Fortran (column-major) order)" in advice
-    assert "declare weight_layout OHWI" in advice and "transpose it to HWIO before writing" in advice
+    assert "holds OHWI but is declared HWIO (Fortran (column-major) order)" in advice
+    assert advice.startswith("conv1.weight.grad, conv2.weight.grad: each holds OHWI")  # both slipped buffers
+    assert "transpose each to HWIO before writing" in advice
+    # re-declaring weight_layout would also change how the request's weights are written: not an equivalent fix
+    assert "declare" not in advice.replace("is declared", "")
+    assert "weight_layout" not in conclusions.from_judgement(diagnosis.main).html()
+
+
+def test_the_fix_names_every_gradient_it_applies_to(problem):
+    diagnosis = diagnose(resolve("fortran-replay-flip"), problem, "cpu", probes=[])
+    flipped = [name for name, q in diagnosis.quantities.items() if q.layout_fix == "flip HW"]
+    assert len(flipped) == 3  # all three weight gradients are reversed, not only the worst one
+    advice = diagnosis.to_json()["layout_advice"]
+    assert all(f"{name}.grad" in advice.split(":")[0] for name in flipped), advice
+    assert "each is reversed along H and W: flip H and W before writing" in advice
 
 
 def test_raw_fortran_buffer_written_right_is_roundoff(tmp_path, problem):

@@ -181,6 +181,18 @@ def test_provenance_holds_what_a_rerun_needs(failing_run):
     assert set(injected) == {"run_dir"}  # 02 declares none of the given parameters
 
 
+def test_index_shows_no_path_of_the_machine_it_ran_on(failing_run):
+    from precision_lab.report import shown_path
+
+    tmp, _ = failing_run
+    index = (tmp / "reports" / "first" / "index.html").read_text()
+    provenance = json.loads((tmp / "reports" / "first" / "provenance.json").read_text())
+    assert provenance["cwd"] == str(ROOT)  # kept as run, for a rerun
+    assert str(ROOT) not in index and "<code>.</code> (paths relative to the project)" in index
+    assert shown_path(str(ROOT / "params" / "seed.yaml")) == "params/seed.yaml"
+    assert shown_path(str(Path.home() / "x" / "y.yaml")) == "~/x/y.yaml" and shown_path("p.yaml") == "p.yaml"
+
+
 def test_a_second_run_moves_latest_and_never_touches_the_first(failing_run):
     tmp, _ = failing_run
     before = (tmp / "reports" / "first" / "index.html").read_bytes()

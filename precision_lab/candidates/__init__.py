@@ -1,4 +1,4 @@
-"""Candidates: implementations under test. Each maps a Problem to a Result (DESIGN.md, "Candidates").
+"""Candidates: implementations under test. Each maps a Problem to a Result (docs/design.md, "Candidates").
 
 A candidate computes one forward + backward of a problem (any network the problem carries) in
 its own precision and weight layout and returns the gradients in the canonical layout (OIHW,
@@ -127,8 +127,13 @@ def resolve(spec: str | Candidate, base_dir: str | Path | None = None) -> Candid
     if not path.is_absolute() and base_dir is not None and (Path(base_dir) / path).exists():
         path = Path(base_dir) / path
     if path.suffix.lower() in (".yaml", ".yml"):
-        from .command import load_command_candidate
+        from .command import _read_yaml, load_command_candidate
 
+        spec_yaml = _read_yaml(path.resolve())
+        if spec_yaml.get("model") == "opaque":  # a network the lab has no model of: the reference-free check
+            from .opaque import load_opaque_candidate
+
+            return load_opaque_candidate(path.resolve(), spec_yaml)
         return load_command_candidate(path)
     if path.is_dir():
         from .static import BundleCandidate

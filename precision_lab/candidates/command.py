@@ -1,4 +1,4 @@
-"""Command candidates: someone else's program, driven through bundles (DESIGN.md, "Exchange format").
+"""Command candidates: someone else's program, driven through bundles (docs/design.md, "Exchange format").
 
 The candidate YAML::
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -50,7 +51,9 @@ REQUEST_FORMATS = ("npz", "raw")
 #: variables passed through from the lab's environment when set (the rest is not inherited)
 PASSTHROUGH_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES",
                    "CUDA_HOME", "CUDA_PATH", "NVIDIA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "VIRTUAL_ENV",
-                   "CONDA_PREFIX", "SYSTEMROOT")
+                   "CONDA_PREFIX", "SYSTEMROOT", "FC", "FFLAGS", "XDG_CACHE_HOME")
+#: programs that take a script as their first argument (python3.12 and the like match too)
+INTERPRETERS = ("python", "python3", "sh", "bash", "julia", "Rscript", "node", "perl", "ruby")
 #: a candidate YAML is a few lines; anything this large is the wrong file (and is not parsed)
 MAX_YAML_BYTES = 1 << 20
 #: characters of the command's stderr an error message shows (its end, where errors usually are)
@@ -122,10 +125,9 @@ def load_command_candidate(path: str | Path) -> Candidate:
     """A Candidate (family "command") from a candidate YAML; every key is checked here."""
     path = Path(path).resolve()
     spec = _read_yaml(path)
-    if spec.get("model") == "opaque":  # a network the lab has no model of: the reference-free gradient check
-        from .opaque import load_opaque_candidate
-
-        return load_opaque_candidate(path, spec)
+    if spec.get("model") == "opaque":  # opaque builds on this module, so the package routes to it
+        raise CommandCandidateError(f"{path}: `model: opaque` is the reference-free gradient check: load it with "
+                                    f"precision_lab.candidates.resolve (or precision-lab diagnose --candidate)")
     if "start" in spec:
         raise CommandCandidateError(f"{path}: key 'start' belongs to `model: opaque` (the reference-free gradient "
                                     f"check); a candidate with a model spec is sent requests made by the lab")
@@ -232,6 +234,7 @@ class CommandProgram:
 
     def argv(self, template: list[str], request: Path, response: Path, key: str) -> list[str]:
         """The argument list with placeholders filled and relative paths made absolute."""
+        self._check_script(template, key)
         values = {"{request}": str(request), "{response}": str(response), "{candidate_dir}": str(self.folder),
                   "{python}": sys.executable}
         argv = []
@@ -240,6 +243,23 @@ class CommandProgram:
                 arg = arg.replace(placeholder, value)
             argv.append(self._resolve(arg, first=index == 0, key=key))
         return argv
+
+    def _check_script(self, template: list[str], key: str) -> None:
+        """An interpreter's script must exist beside the YAML: else the interpreter would report it missing
+        in the temporary folder the command runs in, a path the user never wrote."""
+        first = Path(template[0]).name
+        if template[0] != "{python}" and first not in INTERPRETERS and not re.fullmatch(r"python[\d.]*", first):
+            return
+        for arg in template[1:]:
+            if arg in ("-m", "-c", "-e") or "{" in arg:  # a module, inline code or a placeholder: no script file
+                return
+            if arg.startswith("-"):
+                continue
+            script = Path(arg) if Path(arg).is_absolute() else self.folder / arg
+            if not script.exists():
+                raise CommandCandidateError(f"{self.yaml_path}: key {key!r}: script {arg!r} not found "
+                                            f"(looked for {script}; relative paths resolve against the YAML's folder)")
+            return
 
     def _resolve(self, arg: str, first: bool, key: str) -> str:
         candidate_path = self.folder / arg

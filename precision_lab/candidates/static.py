@@ -1,4 +1,4 @@
-"""A static bundle as a candidate: its own problem, and the response it stores (DESIGN.md, "Candidates")."""
+"""A static bundle as a candidate: its own problem, and the response it stores (docs/design.md, "Candidates")."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""Convolution algorithms and native-backend selection (DESIGN.md, "Convolution algorithm selection").
+"""Convolution algorithms and native-backend selection (docs/design.md, "Convolution algorithm selection").
 
 `ALGORITHMS` maps a name to a ConvOps object (problem.py's protocol: `.name`, `forward(x, w)`,
 `input_grad(grad_out, w)`, `weight_grad(x, grad_out)`; 3×3, stride 1, padding 1, any dtype,

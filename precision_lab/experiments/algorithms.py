@@ -1,4 +1,4 @@
-"""Experiment 05: convolution algorithms (issue 5, DESIGN.md "Convolution algorithm selection").
+"""Experiment 05: convolution algorithms (docs/design.md, "Convolution algorithm selection").
 
 Every algorithm of `precision_lab.conv` runs the seed problem's forward + backward in float32
 at each size; each result is judged against the float64 reference with the lab's own error

@@ -1,4 +1,4 @@
-"""Experiment 02: float64 recompilation (DESIGN.md, "The three experiments" 2).
+"""Experiment 02: float64 recompilation (docs/design.md, "The experiments").
 
 Run each candidate's float32 build and its float64 build against the float64 reference.
 Rounding error scales with the unit roundoff, so recompiling in float64 shrinks it by about

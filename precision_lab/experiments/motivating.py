@@ -1,4 +1,4 @@
-"""The motivating case (DESIGN.md): replay the seed's Fortran/cuDNN design and settle its table.
+"""The motivating case (docs/design.md, "The motivating case"): replay the seed's Fortran/cuDNN design and settle its table.
 
 The seed compared its Fortran/CUDA gradients with PyTorch's and saw weight-gradient
 differences of 0.049-0.29 with bias and loss differences near 1e-5. The replay candidates
@@ -26,7 +26,7 @@ from . import cached_reference, summary_row
 
 EXPERIMENT = "04-motivating-case"
 
-#: the seed's reported figures (DESIGN.md, "The motivating case"), shipped as a table (data/README.md)
+#: the seed's reported figures (docs/design.md, "The motivating case"), shipped as a table (data/README.md)
 SEED_REPORTED = DATA_DIR / "seed-reported.csv"
 
 

@@ -1,4 +1,4 @@
-"""Experiment 01: single optimizer step comparison (DESIGN.md, "The three experiments" 1).
+"""Experiment 01: single optimizer step comparison (docs/design.md, "The experiments").
 
 The seed proposed "compare weights after one optimizer step". This experiment shows why that
 test proves little and what to compare instead:

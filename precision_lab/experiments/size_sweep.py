@@ -1,4 +1,4 @@
-"""Experiment 03: size sweep 64 → 1024 (DESIGN.md, "The three experiments" 3).
+"""Experiment 03: size sweep 64 → 1024 (docs/design.md, "The experiments").
 
 A weight or bias gradient of the seed network sums n = batch·H·W terms. Each error source has
 a signature in how the error scales with n, once measured against S = Σ|terms| (MSE gradients

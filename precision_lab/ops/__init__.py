@@ -1,4 +1,4 @@
-"""The op registry: the one place where each op of a model spec is defined (DESIGN.md, "Networks").
+"""The op registry: the one place where each op of a model spec is defined (docs/design.md, "Networks").
 
 Every op is one class registered under its spec name. It says, for itself:
 
