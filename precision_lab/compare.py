@@ -5,6 +5,11 @@ A quantity is the loss, the network output, or one parameter gradient (canonical
 errmodel): max/mean absolute and relative error, error ÷ bound, ULPs, cosine similarity, sign
 agreement, how many elements exceed the bound. The verdict it sets is provisional (`roundoff`
 within the bound, else `defect`); the doctors (precision_lab.doctors) may then explain it.
+
+Within the bound certifies rounding only where the bound is well below the quantity itself: a
+bound as large as the tensor would accept a zeroed, halved or sign-flipped gradient (cosine 0
+next to `roundoff`). A quantity within a bound whose 2-norm exceeds CERTIFIABLE_FRACTION of the
+reference's 2-norm is `inconclusive`, with what would settle it.
 """
 from __future__ import annotations
 
@@ -15,6 +20,14 @@ import numpy as np
 
 from . import formats
 from .compute import Result, Trace
+
+
+#: largest ‖bound‖₂ ÷ ‖reference‖₂ at which being within the bound certifies rounding. Within it,
+#: ‖error‖₂ ≤ ½‖reference‖₂, so cosine ≥ √(1 − ¼) = 0.87 and every error as large as the tensor itself
+#: (a zeroed, lost or sign-flipped gradient: ‖error‖ ≥ ‖reference‖) lies beyond the bound with a
+#: factor-2 margin; a tighter fraction (0.1 would exclude a uniformly 10%-short gradient) needs bounds
+#: the propagation model does not reach on every network yet (docs/verdicts.md, "Certifiable bounds").
+CERTIFIABLE_FRACTION = 0.5
 
 
 class ComparisonError(ValueError):
@@ -88,7 +101,25 @@ def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, stor
         second_ratio=float(np.partition(ratio.ravel(), -2)[-2]) if ratio.size > 1 and finite else 0.0)
     if not finite:
         q.evidence = "non-finite values (NaN or inf)"
+    elif q.verdict == "roundoff":
+        certify(q, ref, bound)
     return q
+
+
+def bound_fraction(ref: np.ndarray, bound: np.ndarray) -> float:
+    """‖bound‖₂ ÷ ‖reference‖₂ (0 for a reference exactly zero: nothing to lose, any error is its own)."""
+    size = float(np.linalg.norm(ref))
+    return float(np.linalg.norm(bound)) / size if size > 0 else 0.0
+
+
+def certify(q: QuantityVerdict, ref: np.ndarray, bound: np.ndarray) -> None:
+    """A quantity within its bound stays `roundoff` only if the bound is below CERTIFIABLE_FRACTION of it."""
+    fraction = bound_fraction(ref, bound)
+    if fraction > CERTIFIABLE_FRACTION:
+        q.verdict = "inconclusive"
+        q.evidence = (f"within a bound {fraction:.3g}× the quantity's own size (‖bound‖ ÷ ‖reference‖ > "
+                      f"{CERTIFIABLE_FRACTION:g}): such a bound cannot tell rounding from a lost gradient; settle it "
+                      "with the candidate's float64 build (command_float64) or a smaller network")
 
 
 def max_ulps(got: np.ndarray, ref: np.ndarray, storage: str) -> float:
