@@ -9,7 +9,9 @@ within the bound, else `defect`); the doctors (precision_lab.doctors) may then e
 Within the bound certifies rounding only where the bound is well below the quantity itself: a
 bound as large as the tensor would accept a zeroed, halved or sign-flipped gradient (cosine 0
 next to `roundoff`). A quantity within a bound whose 2-norm exceeds CERTIFIABLE_FRACTION of the
-reference's 2-norm is `inconclusive`, with what would settle it.
+reference's 2-norm is `inconclusive`, with what would settle it. This applies to float32 and
+float64 claims; a reduced-format claim (tf32, bf16, fp16) is not certified this way yet: its bound
+exceeds the seed network's first-layer gradients themselves (docs/verdicts.md, "Certifiable bounds").
 """
 from __future__ import annotations
 
@@ -82,7 +84,8 @@ def same_size(got, ref, name: str, who: str = "the candidate") -> np.ndarray:
     return got.reshape(ref.shape)  # a buffer of the right size: the layout doctor reads its order
 
 
-def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, storage: str = "float32") -> QuantityVerdict:
+def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, storage: str = "float32",
+            certifying: bool = True) -> QuantityVerdict:
     """Every evidence number of one quantity; the verdict is provisional (roundoff iff within bound)."""
     err = np.abs(got - ref)
     ratio = err / bound
@@ -101,7 +104,7 @@ def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, stor
         second_ratio=float(np.partition(ratio.ravel(), -2)[-2]) if ratio.size > 1 and finite else 0.0)
     if not finite:
         q.evidence = "non-finite values (NaN or inf)"
-    elif q.verdict == "roundoff":
+    elif q.verdict == "roundoff" and certifying:
         certify(q, ref, bound)
     return q
 
@@ -132,11 +135,12 @@ def max_ulps(got: np.ndarray, ref: np.ndarray, storage: str) -> float:
     return float(np.max(formats.ulp_distance(got - ref + magnitude, magnitude, storage)))
 
 
-def compare(result: Result, reference: Trace, bounds: dict, storage: str) -> dict[str, QuantityVerdict]:
-    """Every quantity of `result` measured against the reference and its bound."""
+def compare(result: Result, reference: Trace, bounds: dict, storage: str,
+            certifying: bool = True) -> dict[str, QuantityVerdict]:
+    """Every quantity of `result` measured against the reference and its bound (`certifying`: see certify)."""
     out = {}
     for name, (got, ref) in quantity_arrays(result, reference).items():
-        q = measure(name, got, ref, bounds[name].bound, storage)
+        q = measure(name, got, ref, bounds[name].bound, storage, certifying)
         q.n_terms, q.relu_flips = bounds[name].n, bounds[name].relu_flips
         out[name] = q
     return out
