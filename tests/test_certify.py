@@ -1,0 +1,97 @@
+"""A verdict that cannot contradict its evidence (issue: never call a bug rounding on any network).
+
+Within a bound as large as the quantity is not rounding (compare.CERTIFIABLE_FRACTION); a gradient that is
+exactly zero is a layer that received none; a named cause explains every defect or none is named."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from precision_lab.compare import CERTIFIABLE_FRACTION, measure
+from precision_lab.compute import Result, forward_backward
+from precision_lab.doctors import FlattenHWC
+from precision_lab.model import load_model
+from precision_lab.problem import make_problem
+from precision_lab.reference import reference
+from precision_lab.verdict import judge
+
+MODELS = Path(__file__).resolve().parents[1] / "examples" / "models"
+#: every example network at a small size it takes (seconds each)
+EXAMPLES = {"tf-lenet.json": 128, "wide-classifier.json": 128, "lenet-classifier.json": 28,
+            "small-unet.json": 32, "dilated-resnet.yaml": 32}
+
+
+def _copy(result: Result, **grads) -> Result:
+    return Result(result.loss, {**result.grads, **grads}, result.output, result.dtype, dict(result.meta))
+
+
+@pytest.fixture(scope="module")
+def tf_lenet():
+    network = load_model(MODELS / "tf-lenet.json")
+    problem = make_problem(128, 2, 5, network=network)
+    return network, problem, reference(problem), forward_backward(problem, "float32")
+
+
+def test_measure_refuses_to_certify_a_bound_larger_than_the_quantity():
+    ref = np.array([1.0, -2.0, 0.5])
+    zero = measure("g", np.zeros(3), ref, np.full(3, 3.0))  # inside a bound 3× the gradient
+    assert zero.verdict == "inconclusive" and "float64 build" in zero.evidence
+    tight = measure("g", ref * (1 + 1e-3), ref, np.abs(ref) * 2e-3)
+    assert tight.verdict == "roundoff"
+    # a reference exactly zero (a dead layer): nothing to lose, within its bound is rounding
+    assert measure("g", np.full(3, 1e-9), np.zeros(3), np.full(3, 1e-8)).verdict == "roundoff"
+
+
+def test_first_layer_off_the_tape_is_a_defect_named_as_such(tf_lenet):
+    # the issue's case: conv1 left off the tape comes back all zeros (seed 5: judged roundoff, exit 0, before)
+    network, problem, trace, result = tf_lenet
+    zeroed = _copy(result, **{name: np.zeros_like(result.grads[name]) for name in ("conv1.weight", "conv1.bias")})
+    judgement = judge(zeroed, trace, hypotheses=False)
+    assert judgement.verdict == "defect", judgement.to_text()
+    assert judgement.cause.startswith("conv1 received no gradient")
+    assert judgement.quantities["conv1.bias"].verdict == "defect"
+
+
+def test_flatten_in_channels_last_order_is_named_not_a_flip(tf_lenet):
+    network, problem, trace, _ = tf_lenet
+    hwc = forward_backward(problem, "float32", rules={network.index_of("flat"): FlattenHWC()})
+    judgement = judge(hwc, trace)
+    assert judgement.verdict == "defect"
+    assert judgement.layout_fix is None
+    assert judgement.cause is not None and "(H, W, C)" in judgement.cause, judgement.to_text()
+
+
+def test_two_unrelated_slips_get_no_single_cause(tf_lenet):
+    _, _, trace, result = tf_lenet
+    both = _copy(result, **{"conv1.weight": np.zeros_like(result.grads["conv1.weight"]),
+                            "conv1.bias": np.zeros_like(result.grads["conv1.bias"]),
+                            "dense2.weight": result.grads["dense2.weight"] * 3})
+    judgement = judge(both, trace)
+    assert judgement.verdict == "defect"
+    assert judgement.cause is None, judgement.cause  # the zero-gradient cause explains conv1 only
+    assert judgement.quantities["conv1.weight"].cause.startswith("conv1 received no gradient")
+
+
+@pytest.mark.parametrize("spec", sorted(EXAMPLES))
+def test_no_roundoff_next_to_a_lost_gradient_on_any_example(spec):
+    """The invariant: a zeroed layer is never roundoff, and every roundoff quantity (legitimate run or not)
+    has the cosine and sign agreement that being within a certifiable bound implies."""
+    network = load_model(MODELS / spec)
+    problem = make_problem(EXAMPLES[spec], 2, 1, network=network)
+    trace = reference(problem)
+    native = forward_backward(problem, "float32")
+    floor = math.sqrt(1 - CERTIFIABLE_FRACTION ** 2)
+    judged = [judge(native, trace, hypotheses=False)]
+    for layer in network.parametrised_layers:
+        names = [n for n in network.parameter_names if n.rsplit(".", 1)[0] == layer.name]
+        zeroed = _copy(native, **{n: np.zeros_like(native.grads[n]) for n in names})
+        judgement = judge(zeroed, trace, hypotheses=False)
+        assert judgement.verdict == "defect", (spec, layer.name, judgement.to_text())
+        judged.append(judgement)
+    for judgement in judged:
+        for q in judgement.quantities.values():
+            if q.verdict == "roundoff" and q.size > 1:
+                assert q.cosine >= floor and q.sign_agreement > 0, (spec, q)
