@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import formats
+from . import formats, sampled
 from .compute import Trace, layer_params
 from .ops import LOSSES, OPS, BoundContext, Field, GradField, Kernels, Parts
 from .roundoff import (LAMBDA, ROUNDED_OPERANDS, SUBNORMAL_SPACING, accumulation_precision, blocked_gamma,  # noqa: F401
@@ -55,6 +55,7 @@ class QuantityBound:
     propagated: np.ndarray  # upstream errors entering this sum
     bound: np.ndarray  # total, floored, with evaluation margin
     relu_flips: int = 0  # ReLU positions (and max-pool windows) upstream whose decision the errors could flip
+    sampled: int = 0  # elements whose bound is the sampled propagation's (precision_lab.sampled), not |W|·E
 
     @property
     def max(self) -> float:
@@ -114,8 +115,28 @@ def error_bounds(trace: Trace, precision: str = "float32", lam: float = LAMBDA) 
     cache = trace.meta.setdefault("error_bounds", {})  # one evaluation per trace and precision
     if (precision, lam) not in cache:
         with torch.no_grad(), _ieee(trace.device):
-            cache[(precision, lam)] = _error_bounds(trace, precision, lam)
+            bounds = _error_bounds(trace, precision, lam)
+            if sampled.applies(trace, precision):
+                _tighten(bounds, sampled.upstream_bounds(trace, precision, lam), formats.unit_roundoff(
+                    accumulation_precision(precision)))
+            cache[(precision, lam)] = bounds
     return cache[(precision, lam)]
+
+
+def _tighten(bounds: dict[str, QuantityBound], upstream: dict[str, np.ndarray], u: float) -> None:
+    """Each bound's propagated part replaced by the sampled one (precision_lab.sampled) where that is smaller.
+
+    The output's sampled deviations include its own last rounding (every layer's output is drawn), so its
+    accumulation is not added again; a gradient's and the loss's own rounding stay errmodel's γ̃ₙ·S."""
+    for name, q in bounds.items():
+        up = upstream[name].reshape(q.bound.shape)
+        own = q.input_rounding if name == "output" else q.accumulation + q.input_rounding
+        floor = max(u * float(np.max(q.abs_sum)), np.finfo(np.float32).tiny)
+        candidate = np.maximum((own + up) * EVALUATION_MARGIN, floor)
+        tighter = candidate < q.bound
+        q.bound = np.where(tighter, candidate, q.bound)
+        q.propagated = np.where(tighter, up, q.propagated)
+        q.sampled = int(np.count_nonzero(tighter))
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
