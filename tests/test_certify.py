@@ -132,3 +132,20 @@ def test_sampled_failure_probability_is_the_chi_square_tail():
     assert sampled.failure_probability() == pytest.approx(2 * (97 / 16) ** -8)
     assert sampled.failure_probability() < 2e-6
     assert sampled.failure_probability(32, 9.0) < sampled.failure_probability(16, 9.0)  # more runs, tighter tail
+
+
+def test_a_diagnosis_names_a_cause_only_if_every_tested_problem_agrees():
+    from precision_lab.diagnose import Diagnosis
+    from precision_lab.probes import DEFAULT_PROBES
+    from precision_lab.verdict import Judgement
+
+    def judged(cause):
+        return Judgement("c", "float32", "defect", {}, cause=cause, hypotheses=[{"hypothesis": "h", "explains": []}])
+
+    agreeing = Diagnosis(judged("flip W"), [(DEFAULT_PROBES[0], judged("flip W"))])
+    assert agreeing.deciding().cause == "flip W"
+    differing = Diagnosis(judged("flip W"), [(DEFAULT_PROBES[0], judged(None))])
+    assert differing.deciding().cause is None
+    assert "cause unknown" in differing.deciding().evidence[-1]
+    untested = Judgement("c", "float32", "defect", {}, cause=None)  # too large to recompute: no say
+    assert Diagnosis(untested, [(DEFAULT_PROBES[0], judged("flip W"))]).deciding().cause == "flip W"
