@@ -149,3 +149,19 @@ def test_a_diagnosis_names_a_cause_only_if_every_tested_problem_agrees():
     assert "cause unknown" in differing.deciding().evidence[-1]
     untested = Judgement("c", "float32", "defect", {}, cause=None)  # too large to recompute: no say
     assert Diagnosis(untested, [(DEFAULT_PROBES[0], judged("flip W"))]).deciding().cause == "flip W"
+
+
+def test_cross_entropy_gradient_bound_stays_finite_for_huge_logit_errors():
+    # a reduced-format bound through a wide classifier reaches logit errors of 10³: expm1 overflows, p·inf
+    # was NaN where p underflows, and a NaN bound judged every gradient a defect
+    import torch
+
+    from precision_lab.ops import LOSSES, BoundContext, Field, Kernels
+
+    z = torch.tensor([[800.0, -800.0, 0.0], [1.0, 2.0, 3.0]], dtype=torch.float32)
+    target = torch.tensor([0, 2])
+    ctx = BoundContext("tf32", 2.0 ** -24, 7.0, Kernels())
+    loss = LOSSES["cross_entropy"]
+    value, _ = loss.forward_backward(z.double(), target)
+    _, grad = loss.bound(Field(z, torch.full_like(z, 1e3)), target, float(value), ctx)
+    assert torch.all(torch.isfinite(grad.error)) and float(grad.error.max()) <= (1 + 1e-5) / 2
