@@ -266,7 +266,7 @@ def zoo_probe_rows(size, batch: int, seed: int, device) -> list[dict]:
     return list(rows.values())
 
 
-def network_rows(seeds: int, batch: int, device) -> list[dict]:
+def network_rows(seeds: int, batch: int, device, chosen: list[str]) -> list[dict]:
     """Per network and layer: zeroed and 10%-short gradients caught on how many seeds, the smallest ε caught
     for the largest weight-gradient element (worst over seeds), and native float32 judged roundoff."""
     from pathlib import Path
@@ -276,6 +276,8 @@ def network_rows(seeds: int, batch: int, device) -> list[dict]:
     models = Path(__file__).resolve().parents[1] / "examples" / "models"
     rows = []
     for label, (spec, size) in NETWORKS.items():
+        if label not in chosen:
+            continue
         network = load_model(models / spec)
         stats: dict[str, dict] = {}
         native_ok = 0
@@ -422,6 +424,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="256², 20 seeds per probe, one large seed")
     parser.add_argument("--candidates", help="false-alarms and large: only these legitimate orders (comma-separated)")
     parser.add_argument("--network-seeds", type=int, default=3, help="seeds of the networks part (default 3)")
+    parser.add_argument("--networks", default=",".join(NETWORKS), help="networks part: which (comma-separated)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", help="write the markdown here (default: stdout only)")
     args = parser.parse_args(argv)
@@ -464,7 +467,7 @@ def main(argv=None) -> None:
         figures["zoo-probes"] = zoo_probe_rows(args.size, args.batch, args.seed, device)
     if "networks" in parts:
         print("the example networks…", file=sys.stderr)
-        rows = network_rows(args.network_seeds, args.batch, device)
+        rows = network_rows(args.network_seeds, args.batch, device, [n.strip() for n in args.networks.split(",")])
         lines = [f"\n### Example networks ({args.network_seeds} seeds, default probes)\n",
                  "| network | layer | zeroed → not roundoff | weight gradient 10% short → not roundoff | "
                  "smallest ε caught (largest element, worst seed) | native float32 roundoff |", "|---|---|---|---|---|---|"]

@@ -13,6 +13,10 @@ float64 reference trace (precision_lab.compute.Trace) through the network:
   error of its inputs' gradients; where a tensor feeds several layers (skip connections), the
   gradients it receives are summed and that sum's rounding is added.
 
+On problems small enough (precision_lab.sampled.ELEMENT_LIMIT) the upstream part of every bound is
+also measured by sampled propagation (precision_lab.sampled: K float64 runs with each rounding drawn
+at its scale, through the signed weights) and the smaller of the two is kept (`_tighten`).
+
 Bounds are evaluated in float32 from the reference's float32-rounded intermediates (memory and
 speed at 1024²): the float32 evaluation of a sum of non-negative terms is within γ̃ₙ(λ) ≤ 7e-4
 of exact at n = 2²¹, covered by the EVALUATION_MARGIN below. Elements with S = 0 (dead channels)
