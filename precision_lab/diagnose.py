@@ -90,7 +90,7 @@ class Diagnosis:
         named = [j for j in same if j.layout_fix or j.format or j.cause]
         chosen = (named or same)[0]
         # a cause must explain every problem where the doctor tested it, not the first that names one
-        causes = {j.cause for j in same if j.hypotheses}
+        causes = {j.cause for j in same if getattr(j, "hypotheses", None)}
         if chosen.cause and len(causes) > 1:
             unknown = "cause unknown: the problems name different causes (" + "; ".join(
                 sorted(str(c) for c in causes)) + ")"
