@@ -13,8 +13,8 @@ findings into the judgement; none changes an earlier stage.
 * `zero_gradients` — a parameter gradient identically zero where the reference is not: the layer
   received no gradient (left off the tape, not marked trainable), named before any bound is read;
 * `defects` — named hypotheses recomputed in float64 and tested against the bound: a constant
-  factor, a flatten in (H, W, C) order where the spec flattens (C, H, W), one sample of the batch only, a one-pixel shift, a missing activation mask, a
-  pre-activation used for a post-activation, another layer's mask or gradient, stale weights, a
+  factor, a flatten in (H, W, C) order where the spec flattens (C, H, W), one sample of the batch
+  only, a one-pixel shift, a missing activation mask, a pre-activation used for a post-activation, another layer's mask or gradient, stale weights, a
   missing image row, column or tile. The overall cause is a hypothesis that explains every failing
   quantity, never the one that explains most: otherwise the cause is unknown.
 * `localise` — with intermediates in the response, each op re-run in float64 on the candidate's
@@ -432,7 +432,8 @@ def zero_gradients(judgement, pairs) -> None:
         for name in names:
             q = judgement.quantities[name]
             q.verdict, q.cause = "defect", cause
-            q.evidence = (q.evidence + "; " if q.evidence else "") + "every element exactly zero, the reference's are not"
+            q.evidence = ((q.evidence + "; " if q.evidence else "")
+                          + "every element exactly zero, the reference's are not")
 
 
 def _hypotheses(reference: Trace, pairs, failing: list[str], recompute: bool):

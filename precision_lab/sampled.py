@@ -20,10 +20,12 @@ it away:
   V̂ = mean Δₖ², P(|error| > c·√V̂) ≤ E[2·exp(−c²V̂/2V)] = 2·(1 + c²/K)^(−K/2) (the moment generating
   function of a χ²_K variable): 1.1·10⁻⁶ per element at K = 16, c = 9 (SAMPLES, FACTOR).
 
-The quantity's own last rounding stays deterministic (γ̃ₙ·S of errmodel) and is added; the sampled
-upstream part replaces errmodel's where it is smaller (both hold with high probability: so does the
+The quantity's own last rounding stays deterministic (γ̃ₙ·S of errmodel) and is added; for the quantities
+errmodel cannot certify with |W|·E (errmodel.SAMPLED_ABOVE) the sampled upstream part replaces its own where
+it is smaller (both hold with high probability: so does the
 smaller, with the two failure probabilities added). ReLU flips and max-pool switches are realised by the
-runs as the draws cause them; the draws are at least as large as the roundings they stand for.
+runs as the draws cause them; the draws are at least as large as the roundings they stand for. Not
+drawn: the sum where a tensor's gradients from several readers meet (one rounding per element at a skip).
 """
 from __future__ import annotations
 
@@ -102,7 +104,8 @@ class SampledOp:
             return _gamma_over_lambda(attrs["in"] + (1 if attrs["bias"] else 0), u, lam) * self.op.forward(
                 attrs, [xs[0].abs()], _abs_params(params), kernels)
         if name == "avg_pool2d":
-            return _gamma_over_lambda(self.op._terms(attrs) + 1, u, lam) * self.op.forward(attrs, [xs[0].abs()], {}, None)
+            window_sum = self.op.forward(attrs, [xs[0].abs()], {}, None)
+            return _gamma_over_lambda(self.op._terms(attrs) + 1, u, lam) * window_sum
         if name == "add":
             return u * y.abs()
         if name == "leaky_relu":
