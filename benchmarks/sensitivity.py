@@ -17,6 +17,10 @@ What a diagnosis (`precision-lab diagnose`, default probes) says about
 3. `false-alarms`: every legitimate order of the zoo judged on `--seeds` seeds at each default probe's
    own size, batch and targets; the non-roundoff verdicts counted per candidate and probe.
 4. `large`: every legitimate order on the requested problem (`--size`) for `--large-seeds` seeds.
+6. `networks` (only when asked): on every example network and the wide classifier at its natural size, at
+   `--network-seeds` seeds with the default probes, judged as diagnose judges (the worst of the problem and
+   its probes): each layer's gradients zeroed, each weight gradient 10% short (scaled by 0.9), the largest
+   element of each weight gradient slipped by ε (smallest ε caught on the grid), and the native float32 run.
 5. `zoo` (only when asked): the whole zoo's confusion matrix at `--zoo-size` (default 128), judged on that
    problem alone, as before probes existed.
 
@@ -56,7 +60,11 @@ TARGETS = {"largest": 1e-3, "median": 1e-2}
 LEVELS = tuple(10.0 ** (e / 4) for e in range(-24, 1))
 #: a tile of a GPU kernel's output (16×16 threads), placed one tile in from the corner so every probe has it
 TILE = (16, 32)
-PARTS = ("slips", "boundary", "false-alarms", "large", "zoo", "zoo-probes")
+PARTS = ("slips", "boundary", "false-alarms", "large", "zoo", "zoo-probes", "networks")
+#: the example networks at their natural sizes (examples/models/), and the wide classifier
+NETWORKS = {"small-unet": ("small-unet.json", 64), "dilated-resnet": ("dilated-resnet.yaml", 64),
+            "lenet-classifier": ("lenet-classifier.json", 28), "tf-lenet": ("tf-lenet.json", 128),
+            "wide-classifier": ("wide-classifier.json", 128)}
 DEFAULT_PARTS = PARTS[:4]
 
 
@@ -258,6 +266,69 @@ def zoo_probe_rows(size, batch: int, seed: int, device) -> list[dict]:
     return list(rows.values())
 
 
+def network_rows(seeds: int, batch: int, device, chosen: list[str]) -> list[dict]:
+    """Per network and layer: zeroed and 10%-short gradients caught on how many seeds, the smallest ε caught
+    for the largest weight-gradient element (worst over seeds), and native float32 judged roundoff."""
+    from pathlib import Path
+
+    from precision_lab.model import load_model
+
+    models = Path(__file__).resolve().parents[1] / "examples" / "models"
+    rows = []
+    for label, (spec, size) in NETWORKS.items():
+        if label not in chosen:
+            continue
+        network = load_model(models / spec)
+        stats: dict[str, dict] = {}
+        native_ok = 0
+        for seed in range(seeds):
+            main = make_problem(size, batch, seed, network=network)
+            problems = [main] + [probe_set.probe_problem(p, main) for p in probe_set.DEFAULT_PROBES]
+            cases = []
+            for problem in problems:
+                trace = reference(problem)
+                cases.append((trace, forward_backward(problem, "float32", device)))
+
+            def verdict(change) -> str:
+                return worst(judge(change(result), trace, hypotheses=False).verdict for trace, result in cases)
+
+            native_ok += verdict(lambda r: r) == "roundoff"
+            for layer in network.parametrised_layers:
+                names = [n for n in network.parameter_names if n.rsplit(".", 1)[0] == layer.name]
+                weight = f"{layer.name}.weight"
+                entry = stats.setdefault(layer.name, {"zeroed": 0, "short": 0, "eps": 0.0})
+                entry["zeroed"] += verdict(lambda r: _with(r, {n: np.zeros_like(r.grads[n]) for n in names})) != "roundoff"
+                entry["short"] += verdict(lambda r: _with(r, {weight: r.grads[weight] * np.float32(0.9)})) != "roundoff"
+                # bisection on the grid (a verdict is monotone in ε): the smallest level caught, None if none
+                low, high = -1, len(LEVELS) - 1
+                if verdict(lambda r: _with(r, {weight: _slip_largest(r.grads[weight], LEVELS[high])})) == "roundoff":
+                    low = high = len(LEVELS)
+                while high - low > 1:
+                    mid = (low + high) // 2
+                    if verdict(lambda r: _with(r, {weight: _slip_largest(r.grads[weight], LEVELS[mid])})) != "roundoff":
+                        high = mid
+                    else:
+                        low = mid
+                caught = LEVELS[high] if high < len(LEVELS) else None
+                entry["eps"] = max(entry["eps"], caught if caught is not None else math.inf)
+        for name, entry in stats.items():
+            rows.append({"network": f"{label} ({size}²)", "layer": name, "seeds": seeds, **entry,
+                         "native_roundoff": native_ok})
+        print(f"  {label}: done", file=sys.stderr)
+    return rows
+
+
+def _with(result: Result, grads: dict) -> Result:
+    return Result(result.loss, {**result.grads, **grads}, result.output, result.dtype, dict(result.meta))
+
+
+def _slip_largest(grad: np.ndarray, eps: float) -> np.ndarray:
+    out = grad.copy()
+    k = np.unravel_index(np.argmax(np.abs(grad)), grad.shape)
+    out[k] += eps * abs(out[k])
+    return out
+
+
 def _text(value) -> str:
     return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
 
@@ -352,6 +423,8 @@ def main(argv=None) -> None:
     parser.add_argument("--zoo-size", default="128", help="image size of the zoo's confusion matrix (default 128)")
     parser.add_argument("--quick", action="store_true", help="256², 20 seeds per probe, one large seed")
     parser.add_argument("--candidates", help="false-alarms and large: only these legitimate orders (comma-separated)")
+    parser.add_argument("--network-seeds", type=int, default=3, help="seeds of the networks part (default 3)")
+    parser.add_argument("--networks", default=",".join(NETWORKS), help="networks part: which (comma-separated)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", help="write the markdown here (default: stdout only)")
     args = parser.parse_args(argv)
@@ -392,6 +465,15 @@ def main(argv=None) -> None:
     if "zoo-probes" in parts:
         print(f"the zoo at {size_text} with its probes…", file=sys.stderr)
         figures["zoo-probes"] = zoo_probe_rows(args.size, args.batch, args.seed, device)
+    if "networks" in parts:
+        print("the example networks…", file=sys.stderr)
+        rows = network_rows(args.network_seeds, args.batch, device, [n.strip() for n in args.networks.split(",")])
+        lines = [f"\n### Example networks ({args.network_seeds} seeds, default probes)\n",
+                 "| network | layer | zeroed → not roundoff | weight gradient 10% short → not roundoff | "
+                 "smallest ε caught (largest element, worst seed) | native float32 roundoff |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['network']} | {r['layer']} | {r['zeroed']}/{r['seeds']} | {r['short']}/{r['seeds']} | "
+                  f"{_text(r['eps'])} | {r['native_roundoff']}/{r['seeds']} |" for r in rows]
+        print("\n".join(lines))
     text = markdown(args, size_text, figures) + f"\n({time.time() - started:.0f} s in all)\n"
     print(text)
     if args.out:

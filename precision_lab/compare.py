@@ -5,6 +5,13 @@ A quantity is the loss, the network output, or one parameter gradient (canonical
 errmodel): max/mean absolute and relative error, error ÷ bound, ULPs, cosine similarity, sign
 agreement, how many elements exceed the bound. The verdict it sets is provisional (`roundoff`
 within the bound, else `defect`); the doctors (precision_lab.doctors) may then explain it.
+
+Within the bound certifies rounding only where the bound is well below the quantity itself: a
+bound as large as the tensor would accept a zeroed, halved or sign-flipped gradient (cosine 0
+next to `roundoff`). A quantity within a bound whose 2-norm exceeds CERTIFIABLE_FRACTION of the
+reference's 2-norm is `inconclusive`, with what would settle it. This applies to float32 and
+float64 claims; a reduced-format claim (tf32, bf16, fp16) is not certified this way yet: its bound
+exceeds the seed network's first-layer gradients themselves (docs/verdicts.md, "Certifiable bounds").
 """
 from __future__ import annotations
 
@@ -15,6 +22,14 @@ import numpy as np
 
 from . import formats
 from .compute import Result, Trace
+
+
+#: largest ‖bound‖₂ ÷ ‖reference‖₂ at which being within the bound certifies rounding. Within it,
+#: ‖error‖₂ ≤ ½‖reference‖₂, so cosine ≥ √(1 − ¼) = 0.87 and every error as large as the tensor itself
+#: (a zeroed, lost or sign-flipped gradient: ‖error‖ ≥ ‖reference‖) lies beyond the bound with a
+#: factor-2 margin; a tighter fraction (0.1 would exclude a uniformly 10%-short gradient) needs bounds
+#: the propagation model does not reach on every network yet (docs/verdicts.md, "Certifiable bounds").
+CERTIFIABLE_FRACTION = 0.5
 
 
 class ComparisonError(ValueError):
@@ -69,7 +84,8 @@ def same_size(got, ref, name: str, who: str = "the candidate") -> np.ndarray:
     return got.reshape(ref.shape)  # a buffer of the right size: the layout doctor reads its order
 
 
-def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, storage: str = "float32") -> QuantityVerdict:
+def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, storage: str = "float32",
+            certifying: bool = True) -> QuantityVerdict:
     """Every evidence number of one quantity; the verdict is provisional (roundoff iff within bound)."""
     err = np.abs(got - ref)
     ratio = err / bound
@@ -88,7 +104,25 @@ def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, stor
         second_ratio=float(np.partition(ratio.ravel(), -2)[-2]) if ratio.size > 1 and finite else 0.0)
     if not finite:
         q.evidence = "non-finite values (NaN or inf)"
+    elif q.verdict == "roundoff" and certifying:
+        certify(q, ref, bound)
     return q
+
+
+def bound_fraction(ref: np.ndarray, bound: np.ndarray) -> float:
+    """‖bound‖₂ ÷ ‖reference‖₂ (0 for a reference exactly zero: nothing to lose, any error is its own)."""
+    size = float(np.linalg.norm(ref))
+    return float(np.linalg.norm(bound)) / size if size > 0 else 0.0
+
+
+def certify(q: QuantityVerdict, ref: np.ndarray, bound: np.ndarray) -> None:
+    """A quantity within its bound stays `roundoff` only if the bound is below CERTIFIABLE_FRACTION of it."""
+    fraction = bound_fraction(ref, bound)
+    if fraction > CERTIFIABLE_FRACTION:
+        q.verdict = "inconclusive"
+        q.evidence = (f"within a bound {fraction:.3g}× the quantity's own size (‖bound‖ ÷ ‖reference‖ > "
+                      f"{CERTIFIABLE_FRACTION:g}): such a bound cannot tell rounding from a lost gradient; settle it "
+                      "with the candidate's float64 build (command_float64) or a smaller network")
 
 
 def max_ulps(got: np.ndarray, ref: np.ndarray, storage: str) -> float:
@@ -101,11 +135,12 @@ def max_ulps(got: np.ndarray, ref: np.ndarray, storage: str) -> float:
     return float(np.max(formats.ulp_distance(got - ref + magnitude, magnitude, storage)))
 
 
-def compare(result: Result, reference: Trace, bounds: dict, storage: str) -> dict[str, QuantityVerdict]:
-    """Every quantity of `result` measured against the reference and its bound."""
+def compare(result: Result, reference: Trace, bounds: dict, storage: str,
+            certifying: bool = True) -> dict[str, QuantityVerdict]:
+    """Every quantity of `result` measured against the reference and its bound (`certifying`: see certify)."""
     out = {}
     for name, (got, ref) in quantity_arrays(result, reference).items():
-        q = measure(name, got, ref, bounds[name].bound, storage)
+        q = measure(name, got, ref, bounds[name].bound, storage, certifying)
         q.n_terms, q.relu_flips = bounds[name].n, bounds[name].relu_flips
         out[name] = q
     return out

@@ -21,7 +21,7 @@ from .tables import (HtmlBlock, escape, format_factor, format_number, format_per
                      verdict_chip, verdict_class, verdict_legend)
 
 #: worst first: a candidate's overall verdict across experiments is the worst one (docs/design.md, "Verdicts")
-SEVERITY = ("defect", "layout", "reduced-precision", "roundoff")
+SEVERITY = ("defect", "layout", "reduced-precision", "inconclusive", "roundoff")
 NOTHING_TO_FIX = "The difference is rounding: nothing to fix."
 #: fitted exponents α of error ÷ (u·S) ∝ nᵅ (experiments.size_sweep): operand rounding in a coarser format predicts
 #: −0.5, float32 accumulation 0 (pairwise) to 0.5 (recursive), the worst case 1 (γₙ, Higham 2002, Lemma 3.1);

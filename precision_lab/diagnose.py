@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -92,7 +92,14 @@ class Diagnosis:
         problem may be too large for (doctors.RECOMPUTE_LIMIT on a CPU); a probe is small enough to name it."""
         same = [j for j in [self.main] + [j for _, j in self.probes] if j.verdict == self.verdict]
         named = [j for j in same if j.layout_fix or j.format or j.cause]
-        return (named or same)[0]
+        chosen = (named or same)[0]
+        # a cause must explain every problem where the doctor tested it, not the first that names one
+        causes = {j.cause for j in same if getattr(j, "hypotheses", None)}
+        if chosen.cause and len(causes) > 1:
+            unknown = "cause unknown: the problems name different causes (" + "; ".join(
+                sorted(str(c) for c in causes)) + ")"
+            return replace(chosen, cause=None, evidence=list(chosen.evidence) + [unknown])
+        return chosen
 
     def to_json(self) -> dict:
         from .verdict import json_safe, worst

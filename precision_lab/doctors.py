@@ -10,10 +10,13 @@ findings into the judgement; none changes an earlier stage.
   matches the forward output's; inside it, the precision fingerprint: the correlation of the
   candidate's error with each format's emulated error, per quantity and pass, against the same
   correlation of legitimate float32 orders (the measured null).
+* `zero_gradients` — a parameter gradient identically zero where the reference is not: the layer
+  received no gradient (left off the tape, not marked trainable), named before any bound is read;
 * `defects` — named hypotheses recomputed in float64 and tested against the bound: a constant
-  factor, one sample of the batch only, a one-pixel shift, a missing activation mask, a
-  pre-activation used for a post-activation, another layer's mask or gradient, stale weights, a
-  missing image row, column or tile.
+  factor, a flatten in (H, W, C) order where the spec flattens (C, H, W), one sample of the batch
+  only, a one-pixel shift, a missing activation mask, a pre-activation used for a post-activation, another layer's mask or gradient, stale weights, a
+  missing image row, column or tile. The overall cause is a hypothesis that explains every failing
+  quantity, never the one that explains most: otherwise the cause is unknown.
 * `localise` — with intermediates in the response, each op re-run in float64 on the candidate's
   own inputs against its local bound, the first that fails named; else the earliest failing
   quantity in backprop order.
@@ -149,7 +152,7 @@ def layouts(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
     """Name the layout of every weight gradient beyond its bound that some transform fixes."""
     found = {}  # name → (buffer, fits, ndim)
     for name, q in judgement.quantities.items():
-        if q.verdict == "roundoff" or not math.isfinite(q.bound_ratio) or not name.endswith(".weight"):
+        if q.verdict != "defect" or not math.isfinite(q.bound_ratio) or not name.endswith(".weight"):
             continue
         got, ref = pairs[name]
         if ref.ndim not in (2, 4):
@@ -377,14 +380,16 @@ def defects(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
     if not failing:
         return
     tested = []
-    for hypothesis, expected, covers, local in _hypotheses(reference, pairs, failing,
-                                                             _recompute_allowed(reference, None)):
+    for hypothesis, expected, covers, local, *own in _hypotheses(reference, pairs, failing,
+                                                                   _recompute_allowed(reference, None)):
+        reorders = own[0] if own else {}  # a hypothesis that reorders elements reads their bounds reordered
         fits = {}
         for name in covers:
             if name not in failing or name not in expected:
                 continue
             got = pairs[name][0]
-            ratio = _fit_ratio(got, expected[name], bounds[name].bound, bounds[name].abs_sum if local else None)
+            bound = bounds[name].bound[reorders[name]] if name in reorders else bounds[name].bound
+            ratio = _fit_ratio(got, expected[name], bound, bounds[name].abs_sum if local else None)
             fits[name] = ratio
         if not fits:
             continue
@@ -399,14 +404,44 @@ def defects(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
                     f"fits '{hypothesis}' (error ÷ bound {fits[name]:.3g} against it)")
     judgement.hypotheses = tested
     unexplained = [n for n in failing if judgement.quantities[n].cause is None]
+    defective = [n for n, q in judgement.quantities.items() if q.verdict == "defect"]
     if tested:
         best = max(tested, key=lambda t: (len(t["explains"]), -t["best_ratio"]))
-        if best["explains"]:
+        causes = {judgement.quantities[n].cause for n in defective}
+        if len(causes) == 1 and None not in causes:
+            judgement.cause = causes.pop()  # one cause (first fitted, or the zero-gradient doctor's) for every defect
+        elif best["explains"] and set(defective) <= set(best["explains"]):
             judgement.cause = best["hypothesis"]
             judgement.evidence.append(f"defect doctor: '{best['hypothesis']}' fits {', '.join(best['explains'])}")
+        elif best["explains"]:
+            # one tensor of several is no cause: name it as a partial fit only
+            judgement.evidence.append(f"defect doctor: cause unknown; '{best['hypothesis']}' fits only "
+                                      f"{', '.join(best['explains'])} of {', '.join(defective)}")
     if unexplained:
         judgement.evidence.append(f"defect doctor: no named hypothesis fits {', '.join(unexplained)} "
                                   f"({len(tested)} tested)")
+
+
+def zero_gradients(judgement, pairs) -> None:
+    """A parameter gradient that is exactly zero in every element where the reference has non-zero ones.
+
+    Rounding makes an exact zero only by an exact cancellation; every element of a tensor at once is a
+    gradient never computed (a layer off the tape, frozen, or its buffer never written), whatever the bound."""
+    layers = {}
+    for name, q in judgement.quantities.items():
+        if name in ("loss", "output") or name not in pairs:
+            continue
+        got, ref = pairs[name]
+        if ref.size >= 2 and np.count_nonzero(ref) >= 2 and not np.any(got):
+            layers.setdefault(name.rsplit(".", 1)[0], []).append(name)
+    for layer, names in layers.items():
+        cause = (f"{layer} received no gradient ({', '.join(names)} all zero): is it on the tape / marked "
+                 f"trainable?")
+        for name in names:
+            q = judgement.quantities[name]
+            q.verdict, q.cause = "defect", cause
+            q.evidence = ((q.evidence + "; " if q.evidence else "")
+                          + "every element exactly zero, the reference's are not")
 
 
 def _hypotheses(reference: Trace, pairs, failing: list[str], recompute: bool):
@@ -414,6 +449,7 @@ def _hypotheses(reference: Trace, pairs, failing: list[str], recompute: bool):
     yield from _constant_factors(pairs, failing, reference)
     yield from _other_parameters(pairs, failing)
     if recompute:
+        yield from _flatten_order(reference)
         yield from _local_weight_hypotheses(reference, failing)
         yield from _one_sample(reference, failing)
         yield from _mask_hypotheses(reference)
@@ -428,8 +464,8 @@ def _constant_factors(pairs, failing, reference: Trace):
         return
     num = sum(float(np.dot(pairs[n][0].ravel(), pairs[n][1].ravel())) for n in gradient_names)
     den = sum(float(np.dot(pairs[n][1].ravel(), pairs[n][1].ravel())) for n in gradient_names)
-    if den == 0:
-        return
+    if den == 0 or num == 0:
+        return  # c = 0 is a gradient never computed: zero_gradients names it
     c = num / den
     problem = reference.problem
     out_count = int(np.prod(reference.output.shape))
@@ -576,6 +612,49 @@ def _routing_hypotheses(reference: Trace):
                 result = forward_backward(reference.problem, "float64", reference.device,
                                           rules={layer.index: BackwardReplaced(OPS[layer.op], _dropping(which))})
                 yield f"{layer.label} backward {text}", result.grads, list(result.grads), False
+
+
+class FlattenHWC:
+    """A flatten in (H, W, C) order (a channels-last framework's habit) where the spec flattens (C, H, W)."""
+
+    forward_inplace = None
+    derive_output = None
+    derive_input_grad = None
+    backward_inplace = None
+
+    def forward(self, attrs, xs, params, kernels):
+        x = xs[0]
+        return x.permute(0, 2, 3, 1).reshape(x.shape[0], -1)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        n, c, h, w = xs[0].shape
+        return [g.reshape(n, h, w, c).permute(0, 3, 1, 2).contiguous() if need[0] else None], {}
+
+
+def _flatten_order(reference: Trace):
+    """Each flatten of a multi-channel image recomputed in float64 in (H, W, C) order: every quantity after it."""
+    network, problem = reference.network, reference.problem
+    shapes = network.shapes(problem.height, problem.width)
+    for layer in network.layers:
+        if layer.op != "flatten" or layer.index + 1 >= len(network.layers):
+            continue
+        shape = shapes[layer.inputs[0]] if layer.inputs[0] >= 0 else (network.input_channels, problem.height,
+                                                                        problem.width)
+        if len(shape) != 3 or shape[0] < 2 or shape[1] * shape[2] < 2:
+            continue
+        result = forward_backward(reference.problem, "float64", reference.device, rules={layer.index: FlattenHWC()})
+        expected = dict(result.grads, output=result.output, loss=np.asarray(result.loss, np.float64))
+        # the next linear layer's weight columns then multiply features in (H, W, C) order: so do their bounds
+        c, h, w = shape
+        order = np.arange(c * h * w).reshape(c, h, w).transpose(1, 2, 0).ravel()
+        reader = network.layers[layer.index + 1]
+        own = {}
+        if reader.op == "linear" and f"{reader.name}.weight" in reference.grads:
+            name = f"{reader.name}.weight"
+            own[name] = (slice(None), order)
+        yield (f"{layer.label} flattens in (H, W, C) order where the spec flattens (C, H, W): permute to channels "
+               f"first before flattening, or permute the next layer's weight columns", expected, list(expected), False,
+               own)
 
 
 def _upsample_first(op, attrs, g, xs, y, params, kernels, need):

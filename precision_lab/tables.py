@@ -26,6 +26,7 @@ VERDICT_MEANINGS = {
     "reduced-precision": "beyond it, but a coarser format (TF32, bfloat16, float16) explains it",
     "layout": "a transpose and/or flip of the weight axes makes it match",
     "defect": "nothing above explains it: a bug",
+    "inconclusive": "within a bound too large against the quantity to tell rounding from a lost gradient",
 }
 
 #: below this magnitude (and from SCIENTIFIC_ABOVE up) a number is written as m.mm×10ᵉ

@@ -14,10 +14,13 @@ Per quantity (loss, output, each parameter gradient) and overall, one verdict:
   format far beyond what legitimate float32 orders do);
 * ``layout`` — a weight gradient that matches once its buffer is read in another layout
   (any permutation of O, I, H, W) and/or flipped in H and/or W: the transform is named;
-* ``defect`` — nothing above explains it (a named hypothesis when one fits).
+* ``inconclusive`` — within the bound, but a bound so large against the quantity itself that it
+  cannot tell rounding from a lost gradient (compare.CERTIFIABLE_FRACTION): not certified;
+* ``defect`` — nothing above explains it (a named hypothesis when one fits every failing quantity).
 
 Overall: ``defect`` if any quantity is a defect, else ``layout`` if any, else
-``reduced-precision`` if any, else ``roundoff``.
+``reduced-precision`` if any, else ``inconclusive`` if any, else ``roundoff``. The overall cause is
+named only when one cause explains every defect quantity; otherwise it is unknown.
 """
 from __future__ import annotations
 
@@ -35,9 +38,9 @@ from .compute import Result, Trace
 if TYPE_CHECKING:  # pandas is imported where a table is built: a diagnosis never needs it
     import pandas as pd
 
-VERDICTS = ("roundoff", "reduced-precision", "layout", "defect")
+VERDICTS = ("roundoff", "reduced-precision", "layout", "defect", "inconclusive")
 #: worst first: the overall verdict of several quantities (or problems) is the first present
-SEVERITY = ("defect", "layout", "reduced-precision", "roundoff")
+SEVERITY = ("defect", "layout", "reduced-precision", "inconclusive", "roundoff")
 
 
 @dataclass
@@ -127,11 +130,12 @@ def judge(result: Result, reference: Trace, claimed_precision: str = "float32", 
     formats.unit_roundoff(claimed_precision)  # unknown precision → ValueError naming the choices
     storage = formats.STORAGE_DTYPE[claimed_precision]
     bounds = errmodel.error_bounds(reference, claimed_precision)
-    quantities = compare(result, reference, bounds, storage)
+    quantities = compare(result, reference, bounds, storage, claimed_precision not in formats.REDUCED_FORMATS)
     judgement = Judgement(candidate or result.meta.get("candidate", ""), claimed_precision, "roundoff", quantities,
                           model=_model_summary(reference, claimed_precision),
                           problem=reference.problem.describe() if reference.problem is not None else {})
     pairs = quantity_arrays(result, reference)
+    doctors.zero_gradients(judgement, pairs)
     doctors.layouts(judgement, result, reference, pairs, bounds)
     doctors.precision(judgement, result, reference, pairs, bounds, fingerprint)
     if hypotheses:
@@ -165,8 +169,9 @@ def overall(judgement: Judgement) -> None:
     if formats_named and judgement.verdict == "reduced-precision":
         judgement.format = formats_named[-1]
     if judgement.verdict == "defect" and judgement.cause is None:
-        causes = [q.cause for q in judgement.quantities.values() if q.verdict == "defect" and q.cause]
-        judgement.cause = causes[0] if causes else None
+        # a cause is named only when it explains every defect quantity, not one tensor of several
+        causes = {q.cause for q in judgement.quantities.values() if q.verdict == "defect"}
+        judgement.cause = causes.pop() if len(causes) == 1 else None
     for q in judgement.quantities.values():
         if q.verdict != "roundoff":
             judgement.evidence.append(f"{q.quantity}: {q.verdict}, {q.exceeding} of {q.size} elements beyond the "

@@ -143,8 +143,11 @@ def test_dead_channel_gets_a_floor_not_a_zero_division():
     s = bounds["conv2.weight"].abs_sum
     assert np.all(s[:, 0] == 0) and np.all(bounds["conv2.weight"].bound[:, 0] > 0)
     assert np.all(np.isfinite(bounds["conv2.weight"].bound))
-    # the floor is one unit roundoff of the tensor's largest S, far below the live elements' bounds
-    assert np.max(bounds["conv2.weight"].bound[:, 0]) < np.min(bounds["conv2.weight"].bound[:, 1:])
+    # the floor is one unit roundoff of the tensor's largest S (evaluation margin aside), far below the live
+    # elements' bounds (a live element may reach it too once the propagation is sampled)
+    floor = errmodel.formats.unit_roundoff("float32") * float(np.max(s))
+    assert np.max(bounds["conv2.weight"].bound[:, 0]) <= floor * errmodel.EVALUATION_MARGIN
+    assert np.max(bounds["conv2.weight"].bound[:, 0]) < np.median(bounds["conv2.weight"].bound[:, 1:]) / 10
 
 
 def test_bounds_follow_the_trace_device_and_refuse_unknown_precisions(problem_and_reference):

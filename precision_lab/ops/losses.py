@@ -118,7 +118,9 @@ class CrossEntropy:
                       propagated.reshape(1), out.flips)
         onehot = torch.zeros_like(p).scatter_(1, target.unsqueeze(1), 1.0)
         relative = (k + 8 + z.abs() + lse.abs() + (z - m).abs()) * u + torch.expm1(error + weighted)
-        grad_error = (p * relative + 2 * u * (p - onehot).abs()) / count
+        # a probability is off by at most 1 whatever the logits' errors (an overflowing expm1 would give inf·0)
+        p_error = torch.minimum(p * relative.clamp(max=1e300), torch.ones_like(p))
+        grad_error = (p_error + 2 * u * (p - onehot).abs()) / count
         return parts, GradField(grad_error.to(torch.float32), None, out.radius, 0)
 
 

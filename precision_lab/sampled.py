@@ -1,0 +1,205 @@
+"""Sampled propagation: the upstream part of every bound from the rounding errors' own statistics.
+
+`errmodel` propagates an upstream error through conv2d and linear as |W|·E, as if every error had
+the sign that adds up. Rounding errors do not: each sum's error is a sum of independent, mean-zero
+roundings (Higham & Mary 2019, SIAM J. Sci. Comput. 41(5), §2–3), so through a layer their effects
+cancel as the signed weights make them. This module measures that cancellation instead of assuming
+it away:
+
+* every rounding source of the forward and backward — each sum of conv2d, linear and avg_pool2d, each
+  add, each activation's evaluation, the loss's gradient — is given a Gaussian draw of the scale σ its
+  Higham & Mary bound has before λ (σ = γ̃ₙ(λ)·S / λ ≥ √n·u·S for a sum of n terms with S = Σ|terms|,
+  since γ̃ₙ(λ) = exp(λ√n·u + nu²/(1 − u)) − 1 ≥ λ√n·u; u·|y| for one rounding; the activation's
+  evaluation bound of ops/pointwise.py);
+* the float64 network is run K times with these draws added where they arise (each layer's output and
+  each input gradient), so every draw travels through the signed weights, the ReLU masks and the
+  max-pool routing it meets, and the same draw reaches every quantity it affects (the dependence that
+  really exists, no dependency count needed);
+* the quantity's first-order error is a sum of independent sub-Gaussian sources with variance proxy V;
+  each run's deviation Δₖ from the reference is N(0, V) under the same coefficients, so with
+  V̂ = mean Δₖ², P(|error| > c·√V̂) ≤ E[2·exp(−c²V̂/2V)] = 2·(1 + c²/K)^(−K/2) (the moment generating
+  function of a χ²_K variable): 1.1·10⁻⁶ per element at K = 16, c = 9 (SAMPLES, FACTOR).
+
+The quantity's own last rounding stays deterministic (γ̃ₙ·S of errmodel) and is added; for the quantities
+errmodel cannot certify with |W|·E (errmodel.SAMPLED_ABOVE) the sampled upstream part replaces its own where
+it is smaller (both hold with high probability: so does the
+smaller, with the two failure probabilities added). ReLU flips and max-pool switches are realised by the
+runs as the draws cause them; the draws are at least as large as the roundings they stand for. Not
+drawn: the sum where a tensor's gradients from several readers meet (one rounding per element at a skip).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import formats, roundoff
+from .ops import OPS
+
+#: runs of the float64 network with sampled roundings (K): each costs one float64 forward and backward
+SAMPLES = 16
+#: c: the bound is c·√(mean Δₖ²); 2·(1 + c²/K)^(−K/2) = 1.1e-6 at K = 16, c = 9 (module docstring), the
+#: order of errmodel's own per-sum failure probability 2n·exp(−λ²/2) at λ = 7, n ≈ 10⁴
+FACTOR = 9.0
+#: sampled only where batch·H·W is at most this: a 128² problem up to batch 4 (a classifier that takes only
+#: 128² gets its batch-3 probe at 128² too); K float64 runs of the seed network at 2·64² take 4 s on 2 busy
+#: CPU cores, at 2·256² 31 s; above it errmodel's bound stands alone (the seed scale's figures are errmodel's)
+ELEMENT_LIMIT = 4 * 128 * 128
+
+
+def failure_probability(samples: int = SAMPLES, factor: float = FACTOR) -> float:
+    """2·(1 + c²/K)^(−K/2): chance one element's error exceeds c·√(mean Δₖ²) (module docstring)."""
+    return 2.0 * (1.0 + factor * factor / samples) ** (-samples / 2)
+
+
+def applies(trace, precision: str) -> bool:
+    """Sampled where the claim is float32 or float64 (reduced formats keep errmodel's operand model) and small."""
+    problem = trace.problem
+    if problem is None or precision in formats.REDUCED_FORMATS:
+        return False
+    return problem.batch * problem.height * problem.width <= ELEMENT_LIMIT
+
+
+def _gamma_over_lambda(n: int, u: float, lam: float) -> float:
+    return roundoff.probabilistic_gamma(max(1, n), u, lam) / lam
+
+
+def _abs_params(params: dict) -> dict:
+    return {k: v.abs() for k, v in params.items()}
+
+
+class SampledOp:
+    """An op whose outputs and input gradients get a Gaussian draw of their rounding's scale."""
+
+    forward_inplace = None
+    derive_output = None
+    derive_input_grad = None
+    backward_inplace = None
+
+    def __init__(self, op, draw, u: float, lam: float):
+        self.op, self.draw, self.u, self.lam = op, draw, u, lam
+        # the scales of the first run, kept: the runs differ from each other by rounding only (second order)
+        self.scale, self.scales = False, None
+
+    def forward(self, attrs, xs, params, kernels):
+        y = self.op.forward(attrs, xs, params, kernels)
+        if self.scale is False:
+            self.scale = self.forward_scale(attrs, xs, y, params, kernels)
+        return y if self.scale is None else y + self.scale * self.draw(y)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        grads, param_grads = self.op.backward(attrs, g, xs, y, params, kernels, need)
+        if self.scales is None:
+            self.scales = self.backward_scales(attrs, g, xs, y, params, kernels, need)
+        scales = self.scales
+        grads = [h if h is None or s is None else h + s * self.draw(h) for h, s in zip(grads, scales)]
+        return grads, param_grads  # a parameter gradient's own rounding is errmodel's (deterministic)
+
+    # scales --------------------------------------------------------------------------------------
+    def forward_scale(self, attrs, xs, y, params, kernels):
+        name, u, lam = self.op.name, self.u, self.lam
+        if name == "conv2d":
+            return _gamma_over_lambda(self.op.terms_forward(attrs), u, lam) * self.op.forward(
+                attrs, [xs[0].abs()], _abs_params(params), kernels)
+        if name == "linear":
+            return _gamma_over_lambda(attrs["in"] + (1 if attrs["bias"] else 0), u, lam) * self.op.forward(
+                attrs, [xs[0].abs()], _abs_params(params), kernels)
+        if name == "avg_pool2d":
+            window_sum = self.op.forward(attrs, [xs[0].abs()], {}, None)
+            return _gamma_over_lambda(self.op._terms(attrs) + 1, u, lam) * window_sum
+        if name == "add":
+            return u * y.abs()
+        if name == "leaky_relu":
+            return u * abs(attrs["slope"]) * xs[0].abs() * (xs[0] < 0)
+        if name in ("tanh", "sigmoid", "gelu"):
+            z = xs[0]
+            return self.op.evaluation_error(attrs, z, y, self.op.df(attrs, z), u)
+        return None  # relu, max-pool, upsample, concat, flatten: exact copies or selections
+
+    def backward_scales(self, attrs, g, xs, y, params, kernels, need):
+        name, u, lam = self.op.name, self.u, self.lam
+        if name in ("conv2d", "linear"):
+            if not need[0]:
+                return [None]
+            if name == "conv2d":
+                kh, kw = attrs["kernel"]
+                n = attrs["out"] // attrs["groups"] * kh * kw
+            else:
+                n = attrs["out"]
+            (s_in,), _ = self.op.backward(attrs, g.abs(), [xs[0].abs()], None, _abs_params(params), kernels, need)
+            return [_gamma_over_lambda(n, u, lam) * s_in]
+        if name == "avg_pool2d":
+            overlap = -(-attrs["kernel"][0] // attrs["stride"][0]) * -(-attrs["kernel"][1] // attrs["stride"][1])
+            (s_in,), _ = self.op.backward(attrs, g.abs(), xs, y, {}, kernels, need)
+            return [_gamma_over_lambda(overlap + 1, u, lam) * s_in]
+        if name == "upsample_nearest":
+            (s_in,), _ = self.op.backward(attrs, g.abs(), xs, y, {}, kernels, need)
+            return [_gamma_over_lambda(attrs["scale"][0] * attrs["scale"][1], u, lam) * s_in]
+        if name == "leaky_relu":
+            return [u * abs(attrs["slope"]) * g.abs() * (xs[0] <= 0)]
+        if name in ("tanh", "sigmoid", "gelu"):
+            z = xs[0]
+            slope = self.op.df(attrs, z)
+            # the product's rounding and twice the evaluation error of f' (as errmodel's Smooth.backward_error)
+            return [g.abs() * (u * slope.abs() + 2 * self.op.evaluation_error(attrs, z, slope.abs(), slope.abs(), u))]
+        return [None] * len(need)
+
+
+class SampledLoss:
+    """The loss with a draw on ∂loss/∂output of its evaluation's scale (ops/losses.py's bound without E_y)."""
+
+    def __init__(self, loss, draw, u: float):
+        self.loss, self.draw, self.u, self.scale = loss, draw, u, None
+
+    def forward_backward(self, y, t, in_place: bool = False):
+        loss, grad = self.loss.forward_backward(y, t)
+        if self.scale is None:
+            self.scale = self._scale(y, t)
+        return loss, grad + self.scale * self.draw(grad)
+
+    def _scale(self, y, t):
+        u = self.u
+        if self.loss.name == "mse":
+            residual = y - t
+            scale = (2.0 / residual.numel()) * roundoff.gamma(2, u) * residual.abs()
+        else:
+            m, e, s, lse, z_t = self.loss._parts(y, t)
+            p = e / s
+            onehot = torch.zeros_like(p).scatter_(1, t.unsqueeze(1), 1.0)
+            k, count = y.shape[1], self.loss.positions(y)
+            relative = (k + 8 + y.abs() + lse.abs() + (y - m).abs()) * u
+            scale = (p * relative + 2 * u * (p - onehot).abs()) / count
+        return scale
+
+
+def deviations(trace, precision: str, lam: float, samples: int = SAMPLES):
+    """K runs' deviations from the reference: {quantity: array (K, *shape)} for loss, output and gradients."""
+    from .compute import forward_backward
+    from .ops import LOSSES
+
+    network, problem = trace.network, trace.problem
+    u = formats.unit_roundoff(roundoff.accumulation_precision(precision))
+    generator = torch.Generator(device=trace.device).manual_seed(1_000_003 * (problem.seed + 1))
+
+    def draw(like: torch.Tensor) -> torch.Tensor:
+        return torch.randn(like.shape, generator=generator, device=like.device, dtype=like.dtype)
+
+    rules = {layer.index: SampledOp(OPS[layer.op], draw, u, lam) for layer in network.layers}
+    rules["loss"] = SampledLoss(LOSSES[network.loss], draw, u)
+    out = {name: [] for name in ("loss", "output") + network.parameter_names}
+    reference_values = {"loss": np.asarray(trace.loss, np.float64), "output": np.asarray(trace.output, np.float64)}
+    reference_values.update({n: np.asarray(trace.grads[n], np.float64) for n in network.parameter_names})
+    for _ in range(samples):
+        run = forward_backward(problem, "float64", trace.device, rules=rules)
+        out["loss"].append(np.asarray(run.loss, np.float64) - reference_values["loss"])
+        out["output"].append(np.asarray(run.output, np.float64) - reference_values["output"])
+        for n in network.parameter_names:
+            out[n].append(np.asarray(run.grads[n], np.float64) - reference_values[n])
+    return {name: np.stack(values) for name, values in out.items()}
+
+
+def upstream_bounds(trace, precision: str, lam: float) -> dict[str, np.ndarray]:
+    """FACTOR·√(mean Δₖ²) per element of every quantity: the sampled bound on its propagated error."""
+    return {name: FACTOR * np.sqrt(np.mean(d * d, axis=0)) for name, d in deviations(trace, precision, lam).items()}
+
+
+__all__ = ["ELEMENT_LIMIT", "FACTOR", "SAMPLES", "applies", "deviations", "failure_probability", "upstream_bounds"]

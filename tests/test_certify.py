@@ -1,0 +1,168 @@
+"""A verdict that cannot contradict its evidence (issue: never call a bug rounding on any network).
+
+Within a bound as large as the quantity is not rounding (compare.CERTIFIABLE_FRACTION); a gradient that is
+exactly zero is a layer that received none; a named cause explains every defect or none is named."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from precision_lab.compare import CERTIFIABLE_FRACTION, measure
+from precision_lab.compute import Result, forward_backward
+from precision_lab.doctors import FlattenHWC
+from precision_lab.model import load_model
+from precision_lab.problem import make_problem
+from precision_lab.reference import reference
+from precision_lab.verdict import judge
+
+MODELS = Path(__file__).resolve().parents[1] / "examples" / "models"
+#: every example network at a small size it takes (seconds each)
+EXAMPLES = {"tf-lenet.json": 128, "wide-classifier.json": 128, "lenet-classifier.json": 28,
+            "small-unet.json": 32, "dilated-resnet.yaml": 32}
+
+
+def _copy(result: Result, **grads) -> Result:
+    return Result(result.loss, {**result.grads, **grads}, result.output, result.dtype, dict(result.meta))
+
+
+@pytest.fixture(scope="module")
+def tf_lenet():
+    network = load_model(MODELS / "tf-lenet.json")
+    problem = make_problem(128, 2, 5, network=network)
+    return network, problem, reference(problem), forward_backward(problem, "float32")
+
+
+def test_measure_refuses_to_certify_a_bound_larger_than_the_quantity():
+    ref = np.array([1.0, -2.0, 0.5])
+    zero = measure("g", np.zeros(3), ref, np.full(3, 3.0))  # inside a bound 3× the gradient
+    assert zero.verdict == "inconclusive" and "float64 build" in zero.evidence
+    tight = measure("g", ref * (1 + 1e-3), ref, np.abs(ref) * 2e-3)
+    assert tight.verdict == "roundoff"
+    # a reference exactly zero (a dead layer): nothing to lose, within its bound is rounding
+    assert measure("g", np.full(3, 1e-9), np.zeros(3), np.full(3, 1e-8)).verdict == "roundoff"
+
+
+def test_first_layer_off_the_tape_is_a_defect_named_as_such(tf_lenet):
+    # the issue's case: conv1 left off the tape comes back all zeros (seed 5: judged roundoff, exit 0, before)
+    network, problem, trace, result = tf_lenet
+    zeroed = _copy(result, **{name: np.zeros_like(result.grads[name]) for name in ("conv1.weight", "conv1.bias")})
+    judgement = judge(zeroed, trace, hypotheses=False)
+    assert judgement.verdict == "defect", judgement.to_text()
+    assert judgement.cause.startswith("conv1 received no gradient")
+    assert judgement.quantities["conv1.bias"].verdict == "defect"
+
+
+@pytest.mark.slow
+def test_flatten_in_channels_last_order_is_named_not_a_flip(tf_lenet):
+    network, problem, trace, _ = tf_lenet
+    hwc = forward_backward(problem, "float32", rules={network.index_of("flat"): FlattenHWC()})
+    judgement = judge(hwc, trace)
+    assert judgement.verdict == "defect"
+    assert judgement.layout_fix is None
+    assert judgement.cause is not None and "(H, W, C)" in judgement.cause, judgement.to_text()
+
+
+def test_two_unrelated_slips_get_no_single_cause(tf_lenet):
+    _, _, trace, result = tf_lenet
+    both = _copy(result, **{"conv1.weight": np.zeros_like(result.grads["conv1.weight"]),
+                            "conv1.bias": np.zeros_like(result.grads["conv1.bias"]),
+                            "dense2.weight": result.grads["dense2.weight"] * 3})
+    judgement = judge(both, trace)
+    assert judgement.verdict == "defect"
+    assert judgement.cause is None, judgement.cause  # the zero-gradient cause explains conv1 only
+    assert judgement.quantities["conv1.weight"].cause.startswith("conv1 received no gradient")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", sorted(EXAMPLES))
+def test_no_roundoff_next_to_a_lost_gradient_on_any_example(spec):
+    """The invariant: a zeroed layer is never roundoff, and every roundoff quantity (legitimate run or not)
+    has the cosine and sign agreement that being within a certifiable bound implies."""
+    network = load_model(MODELS / spec)
+    problem = make_problem(EXAMPLES[spec], 2, 1, network=network)
+    trace = reference(problem)
+    native = forward_backward(problem, "float32")
+    floor = math.sqrt(1 - CERTIFIABLE_FRACTION ** 2)
+    judged = [judge(native, trace, hypotheses=False)]
+    for layer in network.parametrised_layers:
+        names = [n for n in network.parameter_names if n.rsplit(".", 1)[0] == layer.name]
+        zeroed = _copy(native, **{n: np.zeros_like(native.grads[n]) for n in names})
+        judgement = judge(zeroed, trace, hypotheses=False)
+        assert judgement.verdict == "defect", (spec, layer.name, judgement.to_text())
+        judged.append(judgement)
+    for judgement in judged:
+        for q in judgement.quantities.values():
+            if q.verdict == "roundoff" and q.size > 1:
+                assert q.cosine >= floor and q.sign_agreement > 0, (spec, q)
+
+
+def test_sampled_propagation_makes_the_classifier_bound_certifiable(tf_lenet):
+    """|W|·E alone gives conv1 a bound 3.2× its gradient here (docs/verdicts.md); the sampled propagation
+    (precision_lab.sampled) keeps the signs and must bring it well below the gradient, and still hold.
+    Only quantities |W|·E cannot certify (errmodel.SAMPLED_ABOVE) are sampled."""
+    from precision_lab import errmodel, sampled
+    from precision_lab.compare import bound_fraction
+
+    network, problem, trace, result = tf_lenet
+    assert sampled.applies(trace, "float32") and not sampled.applies(trace, "tf32")
+    bounds = errmodel.error_bounds(trace, "float32")
+    for name in ("conv1.weight", "conv1.bias", "conv2.weight"):  # |W|·E: 3.2×, 4.7×, 0.27× the quantity
+        assert bound_fraction(np.asarray(trace.grads[name], np.float64), bounds[name].bound) < 0.05, name
+        assert bounds[name].sampled > 0
+    assert bounds["output"].sampled == 0  # its |W|·E bound is 1.4% of it: certifiable as it is
+    got = {"output": result.output, **result.grads}
+    for name, bound in bounds.items():
+        if name != "loss":
+            ref = trace.output if name == "output" else trace.grads[name]
+            assert np.max(np.abs(np.asarray(got[name], np.float64) - ref) / bound.bound) <= 1.0, name
+
+
+def test_a_first_layer_gradient_ten_percent_short_is_caught(tf_lenet):
+    _, _, trace, result = tf_lenet
+    short = _copy(result, **{"conv1.weight": result.grads["conv1.weight"] * np.float32(0.9)})
+    assert judge(short, trace, hypotheses=False).verdict == "defect"
+
+
+def test_sampled_failure_probability_is_the_chi_square_tail():
+    from precision_lab import sampled
+
+    # 2·(1 + c²/K)^(−K/2) at K = 16, c = 9: 2·(97/16)^(−8)
+    assert sampled.failure_probability() == pytest.approx(2 * (97 / 16) ** -8)
+    assert sampled.failure_probability() < 2e-6
+    assert sampled.failure_probability(32, 9.0) < sampled.failure_probability(16, 9.0)  # more runs, tighter tail
+
+
+def test_a_diagnosis_names_a_cause_only_if_every_tested_problem_agrees():
+    from precision_lab.diagnose import Diagnosis
+    from precision_lab.probes import DEFAULT_PROBES
+    from precision_lab.verdict import Judgement
+
+    def judged(cause):
+        return Judgement("c", "float32", "defect", {}, cause=cause, hypotheses=[{"hypothesis": "h", "explains": []}])
+
+    agreeing = Diagnosis(judged("flip W"), [(DEFAULT_PROBES[0], judged("flip W"))])
+    assert agreeing.deciding().cause == "flip W"
+    differing = Diagnosis(judged("flip W"), [(DEFAULT_PROBES[0], judged(None))])
+    assert differing.deciding().cause is None
+    assert "cause unknown" in differing.deciding().evidence[-1]
+    untested = Judgement("c", "float32", "defect", {}, cause=None)  # too large to recompute: no say
+    assert Diagnosis(untested, [(DEFAULT_PROBES[0], judged("flip W"))]).deciding().cause == "flip W"
+
+
+def test_cross_entropy_gradient_bound_stays_finite_for_huge_logit_errors():
+    # a reduced-format bound through a wide classifier reaches logit errors of 10³: expm1 overflows, p·inf
+    # was NaN where p underflows, and a NaN bound judged every gradient a defect
+    import torch
+
+    from precision_lab.ops import LOSSES, BoundContext, Field, Kernels
+
+    z = torch.tensor([[800.0, -800.0, 0.0], [1.0, 2.0, 3.0]], dtype=torch.float32)
+    target = torch.tensor([0, 2])
+    ctx = BoundContext("tf32", 2.0 ** -24, 7.0, Kernels())
+    loss = LOSSES["cross_entropy"]
+    value, _ = loss.forward_backward(z.double(), target)
+    _, grad = loss.bound(Field(z, torch.full_like(z, 1e3)), target, float(value), ctx)
+    assert torch.all(torch.isfinite(grad.error)) and float(grad.error.max()) <= (1 + 1e-5) / 2
