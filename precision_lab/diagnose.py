@@ -147,6 +147,16 @@ class Diagnosis:
             repeats = (f"{self.repeats['runs']} runs, largest run-to-run spread ÷ bound "
                        f"{self.repeats['worst_spread_ratio']:.3g} ({self.repeats['worst_quantity']}), "
                        + ("bitwise reproducible" if self.repeats["bitwise_reproducible"] else "not bitwise reproducible"))
+        float64_build = None
+        if self.float64_build:
+            ratios = [(row["ratio"], name) for name, row in self.float64_build["quantities"].items()
+                      if row.get("ratio") is not None and row["ratio"] == row["ratio"]]  # NaN: err32 = 0
+            largest = max(ratios, default=None)
+            persists = self.float64_build["persists"]
+            float64_build = (f"{self.float64_build['verdict']} against the float64 reference; largest err64 ÷ err32 "
+                             + (f"{largest[0]:.2g} ({largest[1]})" if largest else "n/a")
+                             + f" (rounding predicts {self.float64_build['expected_ratio_if_rounding']:.2g}, a defect ≈ 1): "
+                             + (f"the error persists in {', '.join(persists)}" if persists else "the error vanishes"))
         return Summary(candidate=self.candidate, claimed_precision=self.claimed_precision, verdict=self.verdict,
                        named=named if self.verdict != "roundoff" else None, decided_by=label[id(deciding)],
                        cause=deciding.cause if self.verdict != "roundoff" else None,
@@ -154,7 +164,8 @@ class Diagnosis:
                        fix=deciding.layout_advice if self.verdict != "roundoff" else None,
                        failing=failing, within=[q.quantity for q in self.main.quantities.values()
                                                 if q.verdict == "roundoff"],
-                       probes=probes, repeats=repeats, worst_within=_worst_within(self.main))
+                       probes=probes, repeats=repeats, worst_within=_worst_within(self.main),
+                       probe_note=self.probe_note, float64_build=float64_build)
 
     def to_text(self, verbose: bool = False) -> str:
         """The verdict, what names it, the fix, and only what fails; `verbose`: every quantity of every problem."""
@@ -208,6 +219,8 @@ class Summary:
     probes: list = field(default_factory=list)  # (name, problem in words, verdict, what names it)
     repeats: str | None = None
     worst_within: str | None = None  # "0.0123, conv2.weight": how much of the bound the closest quantity uses
+    probe_note: str | None = None  # how the probes were chosen when the network fixes the size
+    float64_build: str | None = None  # the command_float64 build in words: err64 ÷ err32, vanishes or persists
 
     @property
     def headline(self) -> str:
@@ -226,6 +239,8 @@ class Summary:
             lines.append(f"  where: {self.first_failing}")
         if self.repeats:
             lines.append(f"  repeats: {self.repeats}")
+        if self.float64_build:
+            lines.append(f"  float64 build: {self.float64_build}")
         if self.failing:
             lines.append(f"  beyond the bound on {self.failing[0][0]}:")
             lines += [f"    {q.quantity:<13} {q.verdict:<17} max|err| {q.max_abs_err:9.3g}  err/bound {q.bound_ratio:9.3g}"
@@ -241,6 +256,8 @@ class Summary:
         elif self.probes:
             lines.append("  probes: " + "; ".join(f"{name} {verdict}" + (f" ({named})" if named else "")
                                                  for name, _, verdict, named in self.probes))
+        if self.probe_note:
+            lines.append(f"  probes: {self.probe_note}")
         if self.verdict != "roundoff" or self.probes:
             lines.append("  (every quantity's evidence, and each probe's: --verbose)")
         return "\n".join(lines)
@@ -340,6 +357,7 @@ def _float64_build(candidate: Candidate, problem: Problem, where, result32: Resu
     float64 reference, and err64 ÷ err32 per quantity (rounding predicts u64/u32, a defect ≈ 1). An error that
     persists in float64 is not rounding, whatever its size: a `roundoff` verdict becomes `defect`."""
     from .experiments.float64_recompilation import EXPECTED_RATIO, VANISH_THRESHOLD, recompilation_rows
+    from .verdict import judge
 
     result64 = candidate.compute(problem, "float64", where)
     judgement64 = judge(result64, trace, "float64", candidate.name, fingerprint=False, hypotheses=False)

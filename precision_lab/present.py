@@ -64,7 +64,9 @@ def _summary_html(summary) -> str:
         rows.append(("named on", summary.decided_by))
     rows += [(label, value) for label, value in (("cause", summary.cause), ("fix", summary.fix),
                                                  ("first failing", summary.first_failing),
-                                                 ("repeats", summary.repeats)) if value]
+                                                 ("repeats", summary.repeats),
+                                                 ("float64 build", summary.float64_build),
+                                                 ("probes chosen", summary.probe_note)) if value]
     if summary.failing:
         rows.append((f"beyond the bound on {summary.failing[0][0]}", "; ".join(
             f"{q.quantity}: {q.verdict}, max error ÷ bound {tables.format_number(q.bound_ratio)}"
