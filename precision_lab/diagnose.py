@@ -90,9 +90,8 @@ class Diagnosis:
         """The judgement whose verdict is the overall one: the first (requested problem, then the probes) that
         names a cause, else the first with that verdict. A cause needs a recomputation that the requested
         problem may be too large for (doctors.RECOMPUTE_LIMIT on a CPU); a probe is small enough to name it."""
+        chosen = self._chosen()
         same = [j for j in [self.main] + [j for _, j in self.probes] if j.verdict == self.verdict]
-        named = [j for j in same if j.layout_fix or j.format or j.cause]
-        chosen = (named or same)[0]
         # a cause must explain every problem where the doctor tested it, not the first that names one
         causes = {j.cause for j in same if getattr(j, "hypotheses", None)}
         if chosen.cause and len(causes) > 1:
@@ -100,6 +99,12 @@ class Diagnosis:
                 sorted(str(c) for c in causes)) + ")"
             return replace(chosen, cause=None, evidence=list(chosen.evidence) + [unknown])
         return chosen
+
+    def _chosen(self) -> Judgement:
+        """The problem's own judgement that `deciding` is drawn from (its identity labels the problem)."""
+        same = [j for j in [self.main] + [j for _, j in self.probes] if j.verdict == self.verdict]
+        named = [j for j in same if j.layout_fix or j.format or j.cause]
+        return (named or same)[0]
 
     def to_json(self) -> dict:
         from .verdict import json_safe, worst
@@ -124,8 +129,8 @@ class Diagnosis:
         return {"candidate": self.candidate, "verdict": self.verdict, "claimed_precision": self.claimed_precision,
                 "layout_fix": deciding.layout_fix, "layout_advice": deciding.layout_advice, "format": deciding.format,
                 "cause": deciding.cause, "localisation": deciding.localisation,
-                "decided_by": "requested" if deciding is self.main else next(
-                    p.name for p, j in self.probes if j is deciding),
+                "decided_by": "requested" if self._chosen() is self.main else next(
+                    p.name for p, j in self.probes if j is self._chosen()),
                 "problem": main["problem"], "parameters": parameters, "forward": main["forward"],
                 "evidence": main["evidence"], "main": main, "probes": probes, "probe_note": self.probe_note,
                 "float64_build": json_safe(self.float64_build),
@@ -139,7 +144,7 @@ class Diagnosis:
         label.update({id(j): f"probe {p.name}" for p, j in self.probes})
         failing = [(label[id(self.main)], q) for q in self.main.quantities.values() if q.verdict != "roundoff"]
         if not failing and self.verdict != "roundoff":  # only a probe fails: show where
-            failing = [(label[id(deciding)], q) for q in deciding.quantities.values() if q.verdict != "roundoff"]
+            failing = [(label[id(self._chosen())], q) for q in deciding.quantities.values() if q.verdict != "roundoff"]
         probes = [(p.name, _problem_text(j.problem), j.verdict, j.layout_fix or j.format or j.cause or j.localisation)
                   for p, j in self.probes]
         repeats = None
@@ -158,7 +163,7 @@ class Diagnosis:
                              + f" (rounding predicts {self.float64_build['expected_ratio_if_rounding']:.2g}, a defect ≈ 1): "
                              + (f"the error persists in {', '.join(persists)}" if persists else "the error vanishes"))
         return Summary(candidate=self.candidate, claimed_precision=self.claimed_precision, verdict=self.verdict,
-                       named=named if self.verdict != "roundoff" else None, decided_by=label[id(deciding)],
+                       named=named if self.verdict != "roundoff" else None, decided_by=label[id(self._chosen())],
                        cause=deciding.cause if self.verdict != "roundoff" else None,
                        first_failing=deciding.localisation if self.verdict != "roundoff" else None,
                        fix=deciding.layout_advice if self.verdict != "roundoff" else None,
