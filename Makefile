@@ -37,10 +37,12 @@ reports: setup ## run the six notebooks at the seed scale and render reports/lat
 quick: setup ## the six notebooks at small sizes (params/quick.yaml), for a first look
 	$(LAB) run --params params/quick.yaml
 
-# Debian packages the end-to-end tests use: gfortran (examples/fortran), chromium + driver (browser test)
-system-deps: ## install gfortran and headless chromium when missing (needs root and apt-get; else those tests skip)
+# Debian packages the end-to-end tests use: gfortran (examples/fortran), chromium + driver (browser test),
+# clang (tinygrad's CPU backend in examples/frameworks)
+system-deps: ## install gfortran, clang and headless chromium when missing (needs root and apt-get; else those tests skip)
 	@missing=""; \
 	command -v gfortran >/dev/null || missing="$$missing gfortran"; \
+	command -v clang >/dev/null || missing="$$missing clang"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
 	if [ -n "$$missing" ]; then \
