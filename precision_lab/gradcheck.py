@@ -75,6 +75,10 @@ STEP_EXPONENT = 1.0 / 3.0
 #: loss's curvature over 3·64 ulps, (192u)² relative, stays far below one rounding error u
 NOISE_ULPS = 64
 NOISE_MULTIPLIERS = (-3, -2, -1, 1, 2, 3)
+#: without a float64 build every resolution is k_crit·σ_L/|ΔL|: 12 points (11 dof) bring Student t's 1e-4 quantile
+#: from 11.2 (5 dof) to 5.9 for 6 more calls, as much as a segment twice as long (curvature over 6·64 ulps is still
+#: (384u)² relative, far below u)
+NOISE_MULTIPLIERS_FLOAT32 = (-6, -5, -4, -3, -2, -1, 1, 2, 3, 4, 5, 6)
 #: whole-vector directions whose ±h points (with the base: 7) both builds answer
 COMPARISON_LINES = 3
 #: each refinement shrinks the step 4×: a kink at |t| > h/4 leaves the stencil, and a Simpson
@@ -114,6 +118,12 @@ SEGMENT_FRACTION = 0.5
 #: a smooth segment whose bound is mostly rounding (the loss changes little along it: a bias) is tried again
 #: this many times longer, up to SEGMENT_MAX·‖w‖; the longer one replaces it only if it resolves better
 SEGMENT_STRETCH, SEGMENT_MAX = 4.0, 8.0
+#: each segment's length is chosen so that the loss difference's rounding takes this share of SETTLE_RTOL (the
+#: rest is left to the quadrature, which a shorter segment makes smaller); a quadrature-bounded segment at twice
+#: the panels is tried this many times shorter (Simpson's relative error falls 16×, the rounding's doubles)
+ROUNDING_SHARE, SEGMENT_SHRINK = 0.25, 2.0
+#: the shortest segment, as a fraction of ‖w‖: below it the nodes are a few float32 ulps apart
+SEGMENT_MIN = 1e-3
 #: (T₄ − T₂)/(T₈ − T₄) of nested trapezoid sums is 4 when the error is c·h² (a smooth integrand) and ~2 or
 #: erratic with jumps (de Boor, "CADRE: an algorithm for numerical quadrature", 1971, the ratio test); Romberg's
 #: column j shrinks 4^(j+1)× per halving. The window, as a fraction of that factor, admits the next term's pull
@@ -307,11 +317,12 @@ def tensor_scales(base: dict[str, np.ndarray]) -> dict[str, float]:
     return scales
 
 
-def tensor_step(value: np.ndarray, size: float, storage: np.dtype, multipliers, rng: np.random.Generator) -> np.ndarray:
-    """A random direction of norm ≈ `size` over one tensor, exact on the build's grid at every multiplier;
-    never all zero: a size below the elements' ulps is raised until some of them move."""
+def tensor_step(value: np.ndarray, size: float, storage: np.dtype, multipliers, rng: np.random.Generator,
+                unit: np.ndarray | None = None) -> np.ndarray:
+    """A random direction (`unit` when given) of norm ≈ `size` over one tensor, exact on the build's grid at every
+    multiplier; never all zero: a size below the elements' ulps is raised until some of them move."""
     for _ in range(64):
-        step = on_grid(value, size * _unit(rng, value.shape), storage, multipliers)
+        step = on_grid(value, size * (_unit(rng, value.shape) if unit is None else unit), storage, multipliers)
         if np.any(step):
             return step
         size *= 4.0
@@ -413,14 +424,14 @@ class Noise:
 
 
 def measure_noise(calls: Calls, build: str, precision: str, base: dict[str, np.ndarray], at_base: Evaluation,
-                  scales: dict[str, float], rng: np.random.Generator) -> Noise:
-    """σ_L and σ_g from 6 points around the base along one random line (linear fit, 5 dof)."""
+                  scales: dict[str, float], rng: np.random.Generator, multipliers=NOISE_MULTIPLIERS) -> Noise:
+    """σ_L and σ_g from len(multipliers) points around the base along one random line (linear fit, 5 dof for 6)."""
     storage = np.dtype("float64" if precision == "float64" else "float32")
     relative = NOISE_ULPS * formats.unit_roundoff(precision)
-    displacement = {name: tensor_step(value, relative * scales[name], storage, NOISE_MULTIPLIERS, rng)
+    displacement = {name: tensor_step(value, relative * scales[name], storage, multipliers, rng)
                     for name, value in base.items()}
     evaluations = {0: at_base}
-    for m in NOISE_MULTIPLIERS:
+    for m in multipliers:
         evaluations[m] = calls(build, _point(base, displacement, m))
     t = np.array(sorted(evaluations), dtype=np.float64)
     design = np.stack([np.ones_like(t), t], axis=1)
@@ -1187,33 +1198,49 @@ def segment_panels(budget_left: int, tensors: int) -> int:
     return 0
 
 
+def segment_length(loss_sigma: float, critical: float, slope: float) -> float:
+    """‖Δ‖ at which the loss difference's rounding takes ROUNDING_SHARE of SETTLE_RTOL: the segment's scale is
+    ~2‖Δ‖·|g·d|, its rounding bound k_crit·√2·σ_L, so ‖Δ‖ = k_crit·√2·σ_L / (2·|g·d|·ROUNDING_SHARE·SETTLE_RTOL)."""
+    return critical * math.sqrt(2.0) * loss_sigma / (2.0 * slope * ROUNDING_SHARE * SETTLE_RTOL) if slope > 0 else math.inf
+
+
 def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation, noise: Noise,
                    scales: dict[str, float], rng: np.random.Generator, panels: int, storage: np.dtype) -> dict[str, Segment]:
-    """One long segment per tensor (the float32-only check): `panels` uniform panels, nodes at t = j/(panels/2).
-    Then, while calls last, the least resolved segment is refined where its bound comes from: rounding (the loss
-    changes little along it) → a segment STRETCH× longer; quadrature → twice the panels."""
+    """One segment per tensor (the float32-only check): `panels` uniform panels, nodes at t = j/(panels/2), its
+    length chosen from the program's own numbers (`segment_length`: the measured σ_L and g·d at the base), within
+    [SEGMENT_MIN, SEGMENT_MAX]·‖w‖. Then, while calls last, the least resolved segment is refined where its bound
+    comes from: rounding → a longer segment (by what the bound asks, ≤ SEGMENT_STRETCH×); quadrature → twice the
+    panels, then a segment SEGMENT_SHRINK× shorter (Simpson's error falls with the 4th power of the length, the
+    rounding's share grows with its 1st)."""
     critical = lambda dof: t_critical(ALPHA, dof)
     total = sum(v.size for v in base.values())
     typical = math.sqrt(sum(float(np.sum(g * g)) for g in at_base.grads.values()) / max(total, 1))
+    nodes_fine = list(np.linspace(-1.0, 1.0, 2 * panels + 1))
+    units = {name: _unit(rng, value.shape) for name, value in base.items()}
 
-    def run(name: str, fraction: float) -> Segment:
+    def run(name: str, length: float) -> Segment:
+        length = min(max(length, SEGMENT_MIN * scales[name]), SEGMENT_MAX * scales[name])
         nodes = np.linspace(-1.0, 1.0, panels + 1)
         # exact at the nodes of twice as many panels too (the refinement below)
-        step = tensor_step(base[name], fraction * scales[name], storage, list(np.linspace(-1.0, 1.0, 2 * panels + 1)),
-                           rng)
+        step = tensor_step(base[name], length, storage, nodes_fine, rng, unit=units[name])
         displacement = {name: step}
         answers = {float(t): at_base if t == 0.0 else calls("claimed", _point(base, displacement, float(t)))
                    for t in nodes}
         losses = np.array([answers[float(t)].loss for t in nodes])
         slopes = np.array([_dot(answers[float(t)].grads, displacement) for t in nodes])
         growth = float(np.max(np.abs(losses[[0, -1]]))) / abs(at_base.loss) if at_base.loss else 1.0
-        segment = Segment(f"{name} along a random segment of ±{fraction:g}‖{name}‖", displacement, nodes, losses,
+        fraction = float(np.linalg.norm(step)) / scales[name]
+        segment = Segment(f"{name} along a random segment of ±{fraction:.2g}‖{name}‖", displacement, nodes, losses,
                           slopes, noise.loss_sigma * max(1.0, growth), noise.direction_sigma(displacement), noise.dof,
                           fraction=fraction, scale_floor=typical * 2 * float(np.linalg.norm(step)))
         segment.evaluate(critical)
         return segment
 
-    segments = {name: run(name, SEGMENT_FRACTION) for name in base}
+    def first_length(name: str) -> float:
+        slope = max(abs(float(np.sum(at_base.grads[name] * units[name]))), typical)
+        return segment_length(noise.loss_sigma, critical(noise.dof), slope)
+
+    segments = {name: run(name, first_length(name)) for name in base}
     tried = set()
     while True:
         open_ones = [s for s in segments.values() if s.outcome == "agree" and s.resolution > SETTLE_RTOL
@@ -1223,24 +1250,33 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
         segment = max(open_ones, key=lambda s: s.resolution)
         tried.add(id(segment))
         name = next(iter(segment.displacement))
-        if segment.rule != "panels" and segment.rounding_bound > segment.quadrature and segment.fraction < SEGMENT_MAX:
-            longer = run(name, segment.fraction * SEGMENT_STRETCH)
-            if longer.outcome == "disagree" or longer.resolution < segment.resolution:
-                segments[name] = longer
-            continue
-        if segment.rule == "panels" or len(segment.nodes) - 1 >= 2 * panels:
+        length = segment.norm()
+        if segment.rule == "panels":
             # kinks: doubling the panels shrinks the jumps' scatter only ~2× (measured on a ReLU conv net: 0.09 at 16
-            # panels); the calls go to short stencils instead (_float32_only). And the step is exact on the grid of
-            # twice the first panels only
+            # panels); the calls go to short stencils instead (_float32_only)
             continue
-        midpoints = (segment.nodes[1:] + segment.nodes[:-1]) / 2
-        answers = [calls("claimed", _point(base, segment.displacement, float(t))) for t in midpoints]
-        order = np.argsort(np.concatenate([segment.nodes, midpoints]))
-        segment.nodes = np.concatenate([segment.nodes, midpoints])[order]
-        segment.losses = np.concatenate([segment.losses, [a.loss for a in answers]])[order]
-        segment.slopes = np.concatenate([segment.slopes, [_dot(a.grads, segment.displacement) for a in answers]])[order]
-        segment.evaluate(critical)
-        tried.discard(id(segment))
+        if segment.rounding_bound > segment.quadrature:
+            if segment.fraction >= SEGMENT_MAX * 0.99:
+                continue
+            stretch = min(max(segment.rounding_bound / (ROUNDING_SHARE * SETTLE_RTOL * segment.scale), 2.0),
+                          SEGMENT_STRETCH)
+            other = run(name, length * stretch)
+        elif len(segment.nodes) - 1 < 2 * panels:
+            midpoints = (segment.nodes[1:] + segment.nodes[:-1]) / 2
+            answers = [calls("claimed", _point(base, segment.displacement, float(t))) for t in midpoints]
+            order = np.argsort(np.concatenate([segment.nodes, midpoints]))
+            segment.nodes = np.concatenate([segment.nodes, midpoints])[order]
+            segment.losses = np.concatenate([segment.losses, [a.loss for a in answers]])[order]
+            segment.slopes = np.concatenate([segment.slopes, [_dot(a.grads, segment.displacement) for a in answers]])[order]
+            segment.evaluate(critical)
+            tried.discard(id(segment))
+            continue
+        else:
+            if segment.fraction <= SEGMENT_MIN * 1.01:
+                continue
+            other = run(name, length / SEGMENT_SHRINK)
+        if other.outcome == "disagree" or other.resolution < segment.resolution:
+            segments[name] = other
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1264,7 +1300,9 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
     fd_precision = "float64" if has_float64 else claimed
     fd_storage = np.dtype("float64" if fd_precision == "float64" else "float32")
     claimed_storage = storage_dtype("claimed", claimed)
-    minimum = 1 + len(NOISE_MULTIPLIERS) + (2 * len(base) + 2 * COMPARISON_LINES + 1 + 2 * COMPARISON_LINES
+    float32_only = not has_float64 and claimed != "float64"
+    noise_multipliers = NOISE_MULTIPLIERS_FLOAT32 if float32_only else NOISE_MULTIPLIERS
+    minimum = 1 + len(noise_multipliers) + (2 * len(base) + 2 * COMPARISON_LINES + 1 + 2 * COMPARISON_LINES
                                             if has_float64 else 2 * len(base) + 2 if claimed == "float64"
                                             else 4 * len(base))
     if budget < minimum:
@@ -1275,12 +1313,13 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
     try:
         at_base = calls(fd_build, base)
         scales = tensor_scales(base)
-        noise = {fd_build: measure_noise(calls, fd_build, fd_precision, base, at_base, scales, rng)}
+        noise = {fd_build: measure_noise(calls, fd_build, fd_precision, base, at_base, scales, rng, noise_multipliers)}
         if not noise[fd_build].responsive and fd_build == "float64" and claimed != "float64":
             # a float64 build that is not one is not trusted: the claimed build alone, as without one
             notes.append(_unresponsive_words(noise["float64"], "float64", "float64"))
             at_base = calls("claimed", base)
-            noise["claimed"] = measure_noise(calls, "claimed", claimed, base, at_base, scales, rng)
+            noise["claimed"] = measure_noise(calls, "claimed", claimed, base, at_base, scales, rng,
+                                             NOISE_MULTIPLIERS_FLOAT32)
             if noise["claimed"].responsive:
                 return _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, started, seed, notes)
             fd_build, fd_precision = "claimed", claimed
