@@ -1067,6 +1067,7 @@ class Segment:
     rounding_bound: float = math.nan  # the rounding part of the bound (smooth rules)
     quadrature: float = math.nan  # the quadrature part of the bound (smooth rules)
     scale_floor: float = 0.0  # the model's RMS gradient element × the segment's length
+    centre: np.ndarray | None = None  # the tensor's value at t = 0 (w, or w on a coarser grid: see segment_step)
 
     @property
     def resolution(self) -> float:
@@ -1198,6 +1199,34 @@ def segment_panels(budget_left: int, tensors: int) -> int:
     return 0
 
 
+def segment_step(value: np.ndarray, size: float, storage: np.dtype, multipliers, unit: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(centre, step): centre + m·step exact in `storage` for every multiplier m, ‖step‖ ≈ size along `unit`.
+
+    The centre is w itself when that keeps ≥ 90% of the step (see on_grid). A step longer than the elements
+    (a bias of 0.1 moved by 0.3) cannot start from w: w's last bits are lost at |w + m·step| > 2|w|, so
+    on_grid drops those elements and the segment shrinks to the few that stay. Then the centre is w rounded
+    to the step's grid (the spacing at |w| + |step|), a point a few ulps of the segment's reach from w: the
+    identity holds through any point, and every node is exact (one more call, for the centre)."""
+    step = on_grid(value, size * unit, storage, multipliers)
+    if np.linalg.norm(step) >= 0.9 * size or not np.all(np.isfinite(value)):
+        return value, (step if np.any(step) else tensor_step(value, size, storage, multipliers,
+                                                             np.random.default_rng(0), unit=unit))
+    fractions = [abs(m) for m in multipliers if 0 < abs(m) < 1]
+    granularity = 2.0 ** math.ceil(math.log2(1.0 / min(fractions))) if fractions else 1.0
+    reach = np.abs(value) + max(abs(m) for m in multipliers) * np.abs(size * unit)
+    spacing = np.spacing(reach.astype(storage)).astype(np.float64) * granularity
+    centre = np.round(value / spacing) * spacing
+    step = np.round(size * unit / spacing) * spacing
+    for m in multipliers:
+        point = centre + m * step
+        exact = (point.astype(storage).astype(np.float64) == point) & ((point - centre) == m * step)
+        step = np.where(exact, step, 0.0)
+    if not np.any(step):
+        return value, tensor_step(value, size, storage, multipliers, np.random.default_rng(0), unit=unit)
+    return centre, step
+
+
 def segment_length(loss_sigma: float, critical: float, slope: float) -> float:
     """‖Δ‖ at which the loss difference's rounding takes ROUNDING_SHARE of SETTLE_RTOL: the segment's scale is
     ~2‖Δ‖·|g·d|, its rounding bound k_crit·√2·σ_L, so ‖Δ‖ = k_crit·√2·σ_L / (2·|g·d|·ROUNDING_SHARE·SETTLE_RTOL)."""
@@ -1222,9 +1251,11 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
         length = min(max(length, SEGMENT_MIN * scales[name]), SEGMENT_MAX * scales[name])
         nodes = np.linspace(-1.0, 1.0, panels + 1)
         # exact at the nodes of twice as many panels too (the refinement below)
-        step = tensor_step(base[name], length, storage, nodes_fine, rng, unit=units[name])
+        centre, step = segment_step(base[name], length, storage, nodes_fine, units[name])
         displacement = {name: step}
-        answers = {float(t): at_base if t == 0.0 else calls("claimed", _point(base, displacement, float(t)))
+        middle = {**base, name: centre}
+        moved = not np.array_equal(centre, base[name])
+        answers = {float(t): at_base if t == 0.0 and not moved else calls("claimed", _point(middle, displacement, float(t)))
                    for t in nodes}
         losses = np.array([answers[float(t)].loss for t in nodes])
         slopes = np.array([_dot(answers[float(t)].grads, displacement) for t in nodes])
@@ -1232,7 +1263,9 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
         fraction = float(np.linalg.norm(step)) / scales[name]
         segment = Segment(f"{name} along a random segment of ±{fraction:.2g}‖{name}‖", displacement, nodes, losses,
                           slopes, noise.loss_sigma * max(1.0, growth), noise.direction_sigma(displacement), noise.dof,
-                          fraction=fraction, scale_floor=typical * 2 * float(np.linalg.norm(step)))
+                          fraction=fraction, scale_floor=typical * 2 * float(np.linalg.norm(step)), centre=centre)
+        if moved:
+            segment.label += f" through a point {float(np.max(np.abs(centre - base[name]))):.2g} from w"
         segment.evaluate(critical)
         return segment
 
@@ -1263,7 +1296,8 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
             other = run(name, length * stretch)
         elif len(segment.nodes) - 1 < 2 * panels:
             midpoints = (segment.nodes[1:] + segment.nodes[:-1]) / 2
-            answers = [calls("claimed", _point(base, segment.displacement, float(t))) for t in midpoints]
+            answers = [calls("claimed", _point({**base, name: segment.centre}, segment.displacement, float(t)))
+                       for t in midpoints]
             order = np.argsort(np.concatenate([segment.nodes, midpoints]))
             segment.nodes = np.concatenate([segment.nodes, midpoints])[order]
             segment.losses = np.concatenate([segment.losses, [a.loss for a in answers]])[order]
