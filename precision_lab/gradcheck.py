@@ -1271,6 +1271,25 @@ def segment_step(value: np.ndarray, size: float, storage: np.dtype, multipliers,
     return centre, step
 
 
+def half_aligned(grad: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A unit direction at 45° between the claimed gradient and a random direction orthogonal to it.
+
+    A scale error of the gradient (1.01×) shifts the segment's residual by 1% of ∫g·Δ: along a random direction
+    g·Δ is ~‖g‖‖Δ‖/√n and may cancel along the segment (a 1% slip in a 6-element bias then moved the residual by
+    half its bound); here g·Δ = ‖g‖‖Δ‖/√2 at the base, for every seed. The random half keeps errors orthogonal to
+    g visible. The direction is fixed before any call along it, so it does not bias the test."""
+    random = _unit(rng, grad.shape)
+    norm = float(np.linalg.norm(grad))
+    if norm == 0 or not np.all(np.isfinite(grad)):
+        return random
+    along = grad / norm
+    across = random - float(np.sum(random * along)) * along
+    across_norm = float(np.linalg.norm(across))
+    if across_norm < 1e-8:  # one element: the gradient's own direction
+        return along
+    return (along + across / across_norm) / math.sqrt(2.0)
+
+
 def segment_length(loss_sigma: float, critical: float, slope: float) -> float:
     """‖Δ‖ at which the loss difference's rounding takes ROUNDING_SHARE of SETTLE_RTOL: the segment's scale is
     ~2‖Δ‖·|g·d|, its rounding bound k_crit·√2·σ_L, so ‖Δ‖ = k_crit·√2·σ_L / (2·|g·d|·ROUNDING_SHARE·SETTLE_RTOL)."""
@@ -1289,7 +1308,7 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
     total = sum(v.size for v in base.values())
     typical = math.sqrt(sum(float(np.sum(g * g)) for g in at_base.grads.values()) / max(total, 1))
     nodes_fine = list(np.linspace(-1.0, 1.0, 2 * panels + 1))
-    units = {name: _unit(rng, value.shape) for name, value in base.items()}
+    units = {name: half_aligned(at_base.grads[name], rng) for name in base}
 
     def run(name: str, length: float) -> Segment:
         length = min(max(length, SEGMENT_MIN * scales[name]), SEGMENT_MAX * scales[name])
