@@ -976,8 +976,11 @@ class GradCheck:
                  f"float64 build: {'yes' if self.has_float64 else 'no'})",
                  f"verdict: {self.headline()}"]
         for tensor in self.tensors.values():
+            resolution = tensor.summary()["resolution"]
+            reached = (f"  {'to' if tensor.verdict == 'roundoff' else 'resolution'} {resolution:.2g} relative"
+                       if resolution is not None and math.isfinite(resolution) else "")
             lines.append(f"  {tensor.name:<24} {tensor.verdict:<13} max|err| {tensor.max_abs_err:9.3g}  "
-                         f"err/bound {tensor.bound_ratio:9.3g}")
+                         f"err/bound {tensor.bound_ratio:9.3g}{reached}")
             lines += [f"      {text}" for text in tensor.evidence]
         for direction in self.whole:
             lines.append(f"  whole gradient: {direction.evidence()}")
