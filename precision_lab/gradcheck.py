@@ -34,16 +34,20 @@ What the check spends its program calls on, in order:
    rounding error plus any bug. Rounding changes from point to point (its spread is measured
    there, and predicted from the float64 build's own noise × u_claimed/u64); a bug persists.
 2′. **No float64 build** (or one that does not compute in float64): short differences in float32
-   resolve g·d only to ~u^(2/3), far from settling anything. Instead each tensor moves along one
-   long segment, ±SEGMENT_FRACTION·‖w‖, and the exact identity
+   resolve g·d only to ~u^(2/3), far from settling anything. Instead the noise is measured at 12
+   points (11 dof) and each tensor moves along one segment, and the exact identity
    L(w + Δ) − L(w − Δ) = ∫₋₁¹ g(w + tΔ)·Δ dt is checked with the program's own gradients at
-   uniform nodes (see `Segment`): the loss difference is then of the size of the loss, its rounding
-   ~u relative. Smooth integrands (nested trapezoid sums converging like h²): Simpson, with the
-   coarser Simpson as its error bound; kinks (ReLU, max, clamps): each panel is its own identity,
-   and a wrong gradient shifts every panel's residual in proportion to its integral (a fit with a
-   Student t). The calls left go where each bound comes from: a segment bounded by rounding is tried
-   SEGMENT_STRETCH× longer, one bounded by quadrature gets twice the panels, and a tensor behind kinks
-   gets the short stencil of 2. (which crosses few of them); a tensor's verdict is its best evidence's.
+   uniform nodes (see `Segment`). The segment's length comes from the program's own numbers
+   (`segment_length`: the loss difference's rounding k·√2·σ_L is a quarter of SETTLE_RTOL of
+   2‖Δ‖·|g·d|), its direction is at 45° between the claimed gradient and a random one
+   (`half_aligned`), and its nodes are exact on the float32 grid (`segment_step`). Smooth integrands
+   (nested trapezoid sums converging like h²): Simpson, with the coarser Simpson as its error bound;
+   kinks (ReLU, max, clamps): each panel is its own identity, and a wrong gradient shifts every
+   panel's residual in proportion to its integral (a fit with a Student t); few jumps: the run of
+   panels beside them. The calls left go where each bound comes from: a segment bounded by rounding is
+   tried longer, one bounded by quadrature gets twice the panels, then a shorter segment, and a tensor
+   behind many kinks gets the short stencil of 2. (which crosses few of them); a tensor's verdict is its
+   best evidence's.
 4. **Localisation.** A direction that fails is restricted to halves of the tensor (rows, then
    columns, … down to single elements) to name where the gradient is wrong; a float32-only
    error is located element by element from 3. at no extra cost.
@@ -111,18 +115,15 @@ PERSISTENCE_LIMIT = 30.0
 #: accuracy: a wrong factor, sign, missing term or index moves it far more; float64 differences
 #: reach ~1e-10·√n, float32 ones ~1e-3 at best, which cannot settle anything
 SETTLE_RTOL = 1e-4
-#: float32-only programs: each tensor moves along a segment of ±this fraction of its norm; the loss
-#: difference is then of the size of the loss, its rounding ~u relative (measured on a float32 tanh MLP:
-#: 1.4e-6 relative at 0.5‖w‖ against 5.8e-4 at 1e-3‖w‖, with 8 Gauss–Legendre nodes)
-SEGMENT_FRACTION = 0.5
-#: a smooth segment whose bound is mostly rounding (the loss changes little along it: a bias) is tried again
-#: this many times longer, up to SEGMENT_MAX·‖w‖; the longer one replaces it only if it resolves better
-SEGMENT_STRETCH, SEGMENT_MAX = 4.0, 8.0
-#: each segment's length is chosen so that the loss difference's rounding takes this share of SETTLE_RTOL (the
-#: rest is left to the quadrature, which a shorter segment makes smaller); a quadrature-bounded segment at twice
-#: the panels is tried this many times shorter (Simpson's relative error falls 16×, the rounding's doubles)
+#: float32-only programs: each segment's length is chosen so that the loss difference's rounding takes this share
+#: of SETTLE_RTOL (the rest is left to the quadrature, which a shorter segment makes smaller); a quadrature-bounded
+#: segment at twice the panels is tried this many times shorter (Simpson's relative error falls 16×, the
+#: rounding's doubles)
 ROUNDING_SHARE, SEGMENT_SHRINK = 0.25, 2.0
-#: the shortest segment, as a fraction of ‖w‖: below it the nodes are a few float32 ulps apart
+#: a smooth segment whose bound is mostly rounding (g·d curves away along it) is tried again up to this many times
+#: longer, within SEGMENT_MAX·‖w‖; the longer one replaces it only if it resolves better
+SEGMENT_STRETCH, SEGMENT_MAX = 4.0, 8.0
+#: the shortest segment, as a fraction of ‖w‖: 16 panels of it are ~1e-4 of each element apart (~10³ float32 ulps)
 SEGMENT_MIN = 1e-3
 #: (T₄ − T₂)/(T₈ − T₄) of nested trapezoid sums is 4 when the error is c·h² (a smooth integrand) and ~2 or
 #: erratic with jumps (de Boor, "CADRE: an algorithm for numerical quadrature", 1971, the ratio test); Romberg's
@@ -1042,7 +1043,7 @@ def _json_safe(value):
 
 @dataclass
 class Segment:
-    """One tensor moved along w + t·Δ, t ∈ [−1, 1] (‖Δ‖ = SEGMENT_FRACTION·‖w‖), on `panels` uniform panels.
+    """One tensor moved along w + t·Δ, t ∈ [−1, 1] (‖Δ‖ from `segment_length`), on `panels` uniform panels.
 
     The identity L(w + Δ) − L(w − Δ) = ∫₋₁¹ g(w + tΔ)·Δ dt holds for any loss that is continuous
     along the segment (kinks included). Over a long segment the loss difference is of the size of
