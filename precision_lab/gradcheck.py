@@ -1322,9 +1322,14 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
     typical = math.sqrt(sum(float(np.sum(g * g)) for g in at_base.grads.values()) / max(total, 1))
     nodes_fine = list(np.linspace(-1.0, 1.0, 2 * panels + 1))
     units = {name: half_aligned(at_base.grads[name], rng) for name in base}
+    # the longest segment: SEGMENT_MAX × the tensor's norm, or × the median tensor's RMS element × √n when that is
+    # larger: a bias near zero (1e-6) must get the length its loss asks for, not one set by its tiny ‖b‖
+    rms = sorted(float(np.sqrt(np.mean(v * v))) for v in base.values() if np.any(v))
+    typical_rms = rms[len(rms) // 2] if rms else 1.0
+    longest = {name: SEGMENT_MAX * max(scales[name], typical_rms * math.sqrt(value.size)) for name, value in base.items()}
 
     def run(name: str, length: float) -> Segment:
-        length = min(max(length, SEGMENT_MIN * scales[name]), SEGMENT_MAX * scales[name])
+        length = min(max(length, SEGMENT_MIN * scales[name]), longest[name])
         nodes = np.linspace(-1.0, 1.0, panels + 1)
         # exact at the nodes of twice as many panels too (the refinement below)
         centre, step = segment_step(base[name], length, storage, nodes_fine, units[name])
@@ -1365,7 +1370,7 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
             # panels); the calls go to short stencils instead (_float32_only)
             continue
         if segment.rounding_bound > segment.quadrature:
-            if segment.fraction >= SEGMENT_MAX * 0.99:
+            if length >= 0.99 * longest[name]:
                 continue
             stretch = min(max(segment.rounding_bound / (ROUNDING_SHARE * SETTLE_RTOL * segment.scale), 2.0),
                           SEGMENT_STRETCH)

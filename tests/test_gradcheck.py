@@ -324,6 +324,24 @@ def test_a_one_percent_slip_behind_a_relu_is_never_roundoff_without_a_float64_bu
     assert all(t.verdict != "defect" for n, t in result.tensors.items() if n != "conv.weight")
 
 
+@pytest.mark.parametrize("bias_size", [0.0, 1e-6])
+def test_without_a_float64_build_biases_near_zero_get_their_length_from_the_loss(bias_size):
+    """Biases at 0 or ~1e-6 beside weights ~0.4: 8‖b‖ would cap their segments far below what the loss needs
+    (resolution 0.14 – 0.26); the length comes from σ_L and g·d, capped by the model's typical tensor. A 1% slip
+    in such a bias is still a defect."""
+    from precision_lab.experiments.gradient_check import FLOAT32_KINDS, slipped
+
+    params, function = FLOAT32_KINDS["tanh-mlp"][1]()
+    rng = np.random.default_rng(1)
+    params = {k: (bias_size * rng.standard_normal(v.shape)).astype(np.float32) if "bias" in k else v
+              for k, v in params.items()}
+    result = check_gradients(FunctionOracle(function, name="f32", has_float64=False), params)
+    assert result.verdict == "roundoff", result.to_text()
+    assert all(t.segment.resolution <= 1e-4 for t in result.tensors.values())
+    slip = check_gradients(FunctionOracle(slipped(function, "l0.bias"), name="f32", has_float64=False), params)
+    assert [t.name for t in slip.tensors.values() if t.verdict == "defect"] == ["l0.bias"], slip.to_text()
+
+
 def test_without_a_float64_build_the_noise_has_eleven_degrees_of_freedom():
     """Every float32-only bound is k_crit·σ_L: 12 noise points (t's 1e-4 quantile 5.9) instead of 6 (11.2)."""
     params, program = tanh_chain(tensors=4)
