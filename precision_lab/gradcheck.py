@@ -1256,17 +1256,18 @@ def segment_panels(budget_left: int, tensors: int) -> int:
     return 0
 
 
-def segment_step(value: np.ndarray, size: float, storage: np.dtype, multipliers, unit: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def segment_step(value: np.ndarray, size: float, storage: np.dtype, multipliers, unit: np.ndarray,
+                 may_move: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(centre, step): centre + m·step exact in `storage` for every multiplier m, ‖step‖ ≈ size along `unit`.
 
     The centre is w itself when that keeps ≥ 90% of the step (see on_grid). A step longer than the elements
     (a bias of 0.1 moved by 0.3) cannot start from w: w's last bits are lost at |w + m·step| > 2|w|, so
     on_grid drops those elements and the segment shrinks to the few that stay. Then the centre is w rounded
     to the step's grid (the spacing at |w| + |step|), a point a few ulps of the segment's reach from w: the
-    identity holds through any point, and every node is exact (one more call, for the centre)."""
+    identity holds through any point, and every node is exact (one more call, for the centre; with
+    `may_move` False, when the budget has no call to spare, the shrunk step from w)."""
     step = on_grid(value, size * unit, storage, multipliers)
-    if np.linalg.norm(step) >= 0.9 * size or not np.all(np.isfinite(value)):
+    if np.linalg.norm(step) >= 0.9 * size or not may_move or not np.all(np.isfinite(value)):
         return value, (step if np.any(step) else tensor_step(value, size, storage, multipliers,
                                                              np.random.default_rng(0), unit=unit))
     fractions = [abs(m) for m in multipliers if 0 < abs(m) < 1]
@@ -1322,17 +1323,20 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
     typical = math.sqrt(sum(float(np.sum(g * g)) for g in at_base.grads.values()) / max(total, 1))
     nodes_fine = list(np.linspace(-1.0, 1.0, 2 * panels + 1))
     units = {name: half_aligned(at_base.grads[name], rng) for name in base}
-    # the longest segment: SEGMENT_MAX × the tensor's norm, or × the median tensor's RMS element × √n when that is
-    # larger: a bias near zero (1e-6) must get the length its loss asks for, not one set by its tiny ‖b‖
-    rms = sorted(float(np.sqrt(np.mean(v * v))) for v in base.values() if np.any(v))
-    typical_rms = rms[len(rms) // 2] if rms else 1.0
+    # the longest segment: SEGMENT_MAX × the tensor's norm, or × the RMS element of the largest non-zero tensor (a
+    # weight matrix: the model's own scale) × √n when that is larger: a bias near zero (1e-6) must get the length its
+    # loss asks for, not one set by its tiny ‖b‖, and a bias at −7e4 beside weights ~0.1 must not set the weights'
+    nonzero = [v for v in base.values() if np.any(v)]
+    typical_rms = float(np.sqrt(np.mean(max(nonzero, key=np.size) ** 2))) if nonzero else 1.0
     longest = {name: SEGMENT_MAX * max(scales[name], typical_rms * math.sqrt(value.size)) for name, value in base.items()}
 
-    def run(name: str, length: float) -> Segment:
+    def run(name: str, length: float, reserved: int = 0) -> Segment:
+        """The segment of `name` (panels calls, one more for a moved centre if the calls beyond `reserved` allow)."""
         length = min(max(length, SEGMENT_MIN * scales[name]), longest[name])
         nodes = np.linspace(-1.0, 1.0, panels + 1)
         # exact at the nodes of twice as many panels too (the refinement below)
-        centre, step = segment_step(base[name], length, storage, nodes_fine, units[name])
+        centre, step = segment_step(base[name], length, storage, nodes_fine, units[name],
+                                    may_move=calls.left - reserved > panels)
         displacement = {name: step}
         middle = {**base, name: centre}
         moved = not np.array_equal(centre, base[name])
@@ -1354,7 +1358,8 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
         slope = max(abs(float(np.sum(at_base.grads[name] * units[name]))), typical)
         return segment_length(noise.loss_sigma, critical(noise.dof), slope)
 
-    segments = {name: run(name, first_length(name)) for name in base}
+    # every tensor's first segment before any refinement: the calls for the ones still to run are reserved
+    segments = {name: run(name, first_length(name), panels * (len(base) - 1 - i)) for i, name in enumerate(base)}
     tried = set()
     while True:
         open_ones = [s for s in segments.values() if s.outcome == "agree" and s.resolution > SETTLE_RTOL

@@ -342,6 +342,18 @@ def test_without_a_float64_build_biases_near_zero_get_their_length_from_the_loss
     assert [t.name for t in slip.tensors.values() if t.verdict == "defect"] == ["l0.bias"], slip.to_text()
 
 
+@pytest.mark.parametrize("tensors", [12, 20])
+def test_without_a_float64_build_moved_segment_centres_never_spend_the_last_calls(tensors):
+    """A segment through a moved centre costs one call more; with 12 or 20 tensors at 4 panels each those calls
+    overran the budget and every tensor came back inconclusive ("0 calls left"). Now a centre moves only when a
+    call is to spare, so every tensor gets its segment."""
+    params, program = tanh_chain(tensors=tensors)
+    result = check_gradients(FunctionOracle(program, name="f32", has_float64=False), params, seed=1)
+    assert all(t.segment is not None for t in result.tensors.values()), result.notes
+    assert result.verdict != "defect" and result.total_calls <= result.budget
+    assert sum(t.verdict == "roundoff" for t in result.tensors.values()) >= tensors // 2, result.to_text()
+
+
 def test_without_a_float64_build_the_noise_has_eleven_degrees_of_freedom():
     """Every float32-only bound is k_crit·σ_L: 12 noise points (t's 1e-4 quantile 5.9) instead of 6 (11.2)."""
     params, program = tanh_chain(tensors=4)
