@@ -7,6 +7,7 @@ KAN example through `precision-lab diagnose` are marked slow.
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -285,9 +286,9 @@ def test_without_a_float64_build_kinked_right_gradients_are_never_defect():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_without_a_float64_build_a_smooth_right_gradient_is_resolved_by_long_segments(seed):
-    """tanh MLP, float32 only: no tensor is a defect, and the segments resolve some tensors below 1e-4 relative
-    (short central differences reach ~u^(2/3) ≈ 1e-5·cond at best, measured 5.8e-4 at 1e-3‖w‖)."""
+def test_without_a_float64_build_a_smooth_right_gradient_is_roundoff_from_its_segments(seed):
+    """tanh MLP, float32 only: every tensor is roundoff to ≤ 1e-4 relative (short central differences reach
+    ~u^(2/3) ≈ 1e-5·cond at best, measured 5.8e-4 at 1e-3‖w‖)."""
     params, program = tanh_chain(tensors=4)
     result = check_gradients(FunctionOracle(program, name="f32", has_float64=False), params, seed=seed)
     assert all(t.verdict != "defect" for t in result.tensors.values()), result.to_text()
@@ -296,6 +297,9 @@ def test_without_a_float64_build_a_smooth_right_gradient_is_resolved_by_long_seg
     # left the biases at 1e-4 – 4e-4)
     assert result.verdict == "roundoff" and max(resolutions) <= 1e-4, result.to_text()
     assert result.total_calls <= 60
+    # each tensor's line states the resolution it reached
+    lines = [line for line in result.to_text().splitlines() if line.startswith("  l")]
+    assert len(lines) == 4 and all(re.search(r"roundoff .* to \d\.\de-05 relative$", line) for line in lines), lines
 
 
 @pytest.mark.parametrize("seed", [0, 1])
