@@ -1313,8 +1313,8 @@ def segment_length(loss_sigma: float, critical: float, slope: float) -> float:
 def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation, noise: Noise,
                    scales: dict[str, float], rng: np.random.Generator, panels: int, storage: np.dtype) -> dict[str, Segment]:
     """One segment per tensor (the float32-only check): `panels` uniform panels, nodes at t = j/(panels/2), its
-    length chosen from the program's own numbers (`segment_length`: the measured σ_L and g·d at the base), within
-    [SEGMENT_MIN, SEGMENT_MAX]·‖w‖. Then, while calls last, the least resolved segment is refined where its bound
+    length chosen from the program's own numbers (`segment_length`: the measured σ_L and g·d at the base), above
+    SEGMENT_MIN·‖w‖ and below SEGMENT_MAX × the larger of ‖w‖ and the model's own scale. Then, while calls last, the least resolved segment is refined where its bound
     comes from: rounding → a longer segment (by what the bound asks, ≤ SEGMENT_STRETCH×); quadrature → twice the
     panels, then a segment SEGMENT_SHRINK× shorter (Simpson's error falls with the 4th power of the length, the
     rounding's share grows with its 1st)."""
@@ -1346,8 +1346,8 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
         slopes = np.array([_dot(answers[float(t)].grads, displacement) for t in nodes])
         growth = float(np.max(np.abs(losses[[0, -1]]))) / abs(at_base.loss) if at_base.loss else 1.0
         fraction = float(np.linalg.norm(step)) / scales[name]
-        segment = Segment(f"{name} along a random segment of ±{fraction:.2g}‖{name}‖", displacement, nodes, losses,
-                          slopes, noise.loss_sigma * max(1.0, growth), noise.direction_sigma(displacement), noise.dof,
+        segment = Segment(f"{name} along a segment of ±{fraction:.2g}‖{name}‖ at 45° to its gradient", displacement,
+                          nodes, losses, slopes, noise.loss_sigma * max(1.0, growth), noise.direction_sigma(displacement), noise.dof,
                           fraction=fraction, scale_floor=typical * 2 * float(np.linalg.norm(step)), centre=centre)
         if moved:
             segment.label += f" through a point {float(np.max(np.abs(centre - base[name]))):.2g} from w"
