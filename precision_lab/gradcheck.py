@@ -34,16 +34,20 @@ What the check spends its program calls on, in order:
    rounding error plus any bug. Rounding changes from point to point (its spread is measured
    there, and predicted from the float64 build's own noise × u_claimed/u64); a bug persists.
 2′. **No float64 build** (or one that does not compute in float64): short differences in float32
-   resolve g·d only to ~u^(2/3), far from settling anything. Instead each tensor moves along one
-   long segment, ±SEGMENT_FRACTION·‖w‖, and the exact identity
+   resolve g·d only to ~u^(2/3), far from settling anything. Instead the noise is measured at 12
+   points (11 dof) and each tensor moves along one segment, and the exact identity
    L(w + Δ) − L(w − Δ) = ∫₋₁¹ g(w + tΔ)·Δ dt is checked with the program's own gradients at
-   uniform nodes (see `Segment`): the loss difference is then of the size of the loss, its rounding
-   ~u relative. Smooth integrands (nested trapezoid sums converging like h²): Simpson, with the
-   coarser Simpson as its error bound; kinks (ReLU, max, clamps): each panel is its own identity,
-   and a wrong gradient shifts every panel's residual in proportion to its integral (a fit with a
-   Student t). The calls left go where each bound comes from: a segment bounded by rounding is tried
-   SEGMENT_STRETCH× longer, one bounded by quadrature gets twice the panels, and a tensor behind kinks
-   gets the short stencil of 2. (which crosses few of them); a tensor's verdict is its best evidence's.
+   uniform nodes (see `Segment`). The segment's length comes from the program's own numbers
+   (`segment_length`: the loss difference's rounding k·√2·σ_L is a quarter of SETTLE_RTOL of
+   2‖Δ‖·|g·d|), its direction is at 45° between the claimed gradient and a random one
+   (`half_aligned`), and its nodes are exact on the float32 grid (`segment_step`). Smooth integrands
+   (nested trapezoid sums converging like h²): Simpson, with the coarser Simpson as its error bound;
+   kinks (ReLU, max, clamps): each panel is its own identity, and a wrong gradient shifts every
+   panel's residual in proportion to its integral (a fit with a Student t); few jumps: the run of
+   panels beside them. The calls left go where each bound comes from: a segment bounded by rounding is
+   tried longer, one bounded by quadrature gets twice the panels, then a shorter segment, and a tensor
+   behind many kinks gets the short stencil of 2. (which crosses few of them); a tensor's verdict is its
+   best evidence's.
 4. **Localisation.** A direction that fails is restricted to halves of the tensor (rows, then
    columns, … down to single elements) to name where the gradient is wrong; a float32-only
    error is located element by element from 3. at no extra cost.
@@ -75,6 +79,10 @@ STEP_EXPONENT = 1.0 / 3.0
 #: loss's curvature over 3·64 ulps, (192u)² relative, stays far below one rounding error u
 NOISE_ULPS = 64
 NOISE_MULTIPLIERS = (-3, -2, -1, 1, 2, 3)
+#: without a float64 build every resolution is k_crit·σ_L/|ΔL|: 12 points (11 dof) bring Student t's 1e-4 quantile
+#: from 11.2 (5 dof) to 5.9 for 6 more calls, as much as a segment twice as long (curvature over 6·64 ulps is still
+#: (384u)² relative, far below u)
+NOISE_MULTIPLIERS_FLOAT32 = (-6, -5, -4, -3, -2, -1, 1, 2, 3, 4, 5, 6)
 #: whole-vector directions whose ±h points (with the base: 7) both builds answer
 COMPARISON_LINES = 3
 #: each refinement shrinks the step 4×: a kink at |t| > h/4 leaves the stencil, and a Simpson
@@ -107,13 +115,16 @@ PERSISTENCE_LIMIT = 30.0
 #: accuracy: a wrong factor, sign, missing term or index moves it far more; float64 differences
 #: reach ~1e-10·√n, float32 ones ~1e-3 at best, which cannot settle anything
 SETTLE_RTOL = 1e-4
-#: float32-only programs: each tensor moves along a segment of ±this fraction of its norm; the loss
-#: difference is then of the size of the loss, its rounding ~u relative (measured on a float32 tanh MLP:
-#: 1.4e-6 relative at 0.5‖w‖ against 5.8e-4 at 1e-3‖w‖, with 8 Gauss–Legendre nodes)
-SEGMENT_FRACTION = 0.5
-#: a smooth segment whose bound is mostly rounding (the loss changes little along it: a bias) is tried again
-#: this many times longer, up to SEGMENT_MAX·‖w‖; the longer one replaces it only if it resolves better
+#: float32-only programs: each segment's length is chosen so that the loss difference's rounding takes this share
+#: of SETTLE_RTOL (the rest is left to the quadrature, which a shorter segment makes smaller); a quadrature-bounded
+#: segment at twice the panels is tried this many times shorter (Simpson's relative error falls 16×, the
+#: rounding's doubles)
+ROUNDING_SHARE, SEGMENT_SHRINK = 0.25, 2.0
+#: a smooth segment whose bound is mostly rounding (g·d curves away along it) is tried again up to this many times
+#: longer, within SEGMENT_MAX·‖w‖; the longer one replaces it only if it resolves better
 SEGMENT_STRETCH, SEGMENT_MAX = 4.0, 8.0
+#: the shortest segment, as a fraction of ‖w‖: 16 panels of it are ~1e-4 of each element apart (~10³ float32 ulps)
+SEGMENT_MIN = 1e-3
 #: (T₄ − T₂)/(T₈ − T₄) of nested trapezoid sums is 4 when the error is c·h² (a smooth integrand) and ~2 or
 #: erratic with jumps (de Boor, "CADRE: an algorithm for numerical quadrature", 1971, the ratio test); Romberg's
 #: column j shrinks 4^(j+1)× per halving. The window, as a fraction of that factor, admits the next term's pull
@@ -307,11 +318,12 @@ def tensor_scales(base: dict[str, np.ndarray]) -> dict[str, float]:
     return scales
 
 
-def tensor_step(value: np.ndarray, size: float, storage: np.dtype, multipliers, rng: np.random.Generator) -> np.ndarray:
-    """A random direction of norm ≈ `size` over one tensor, exact on the build's grid at every multiplier;
-    never all zero: a size below the elements' ulps is raised until some of them move."""
+def tensor_step(value: np.ndarray, size: float, storage: np.dtype, multipliers, rng: np.random.Generator,
+                unit: np.ndarray | None = None) -> np.ndarray:
+    """A random direction (`unit` when given) of norm ≈ `size` over one tensor, exact on the build's grid at every
+    multiplier; never all zero: a size below the elements' ulps is raised until some of them move."""
     for _ in range(64):
-        step = on_grid(value, size * _unit(rng, value.shape), storage, multipliers)
+        step = on_grid(value, size * (_unit(rng, value.shape) if unit is None else unit), storage, multipliers)
         if np.any(step):
             return step
         size *= 4.0
@@ -413,14 +425,14 @@ class Noise:
 
 
 def measure_noise(calls: Calls, build: str, precision: str, base: dict[str, np.ndarray], at_base: Evaluation,
-                  scales: dict[str, float], rng: np.random.Generator) -> Noise:
-    """σ_L and σ_g from 6 points around the base along one random line (linear fit, 5 dof)."""
+                  scales: dict[str, float], rng: np.random.Generator, multipliers=NOISE_MULTIPLIERS) -> Noise:
+    """σ_L and σ_g from len(multipliers) points around the base along one random line (linear fit, 5 dof for 6)."""
     storage = np.dtype("float64" if precision == "float64" else "float32")
     relative = NOISE_ULPS * formats.unit_roundoff(precision)
-    displacement = {name: tensor_step(value, relative * scales[name], storage, NOISE_MULTIPLIERS, rng)
+    displacement = {name: tensor_step(value, relative * scales[name], storage, multipliers, rng)
                     for name, value in base.items()}
     evaluations = {0: at_base}
-    for m in NOISE_MULTIPLIERS:
+    for m in multipliers:
         evaluations[m] = calls(build, _point(base, displacement, m))
     t = np.array(sorted(evaluations), dtype=np.float64)
     design = np.stack([np.ones_like(t), t], axis=1)
@@ -965,8 +977,11 @@ class GradCheck:
                  f"float64 build: {'yes' if self.has_float64 else 'no'})",
                  f"verdict: {self.headline()}"]
         for tensor in self.tensors.values():
+            resolution = tensor.summary()["resolution"]
+            reached = (f"  {'to' if tensor.verdict == 'roundoff' else 'resolution'} {resolution:.2g} relative"
+                       if resolution is not None and math.isfinite(resolution) else "")
             lines.append(f"  {tensor.name:<24} {tensor.verdict:<13} max|err| {tensor.max_abs_err:9.3g}  "
-                         f"err/bound {tensor.bound_ratio:9.3g}")
+                         f"err/bound {tensor.bound_ratio:9.3g}{reached}")
             lines += [f"      {text}" for text in tensor.evidence]
         for direction in self.whole:
             lines.append(f"  whole gradient: {direction.evidence()}")
@@ -1028,7 +1043,7 @@ def _json_safe(value):
 
 @dataclass
 class Segment:
-    """One tensor moved along w + t·Δ, t ∈ [−1, 1] (‖Δ‖ = SEGMENT_FRACTION·‖w‖), on `panels` uniform panels.
+    """One tensor moved along w + t·Δ, t ∈ [−1, 1] (‖Δ‖ from `segment_length`), on `panels` uniform panels.
 
     The identity L(w + Δ) − L(w − Δ) = ∫₋₁¹ g(w + tΔ)·Δ dt holds for any loss that is continuous
     along the segment (kinks included). Over a long segment the loss difference is of the size of
@@ -1056,6 +1071,7 @@ class Segment:
     rounding_bound: float = math.nan  # the rounding part of the bound (smooth rules)
     quadrature: float = math.nan  # the quadrature part of the bound (smooth rules)
     scale_floor: float = 0.0  # the model's RMS gradient element × the segment's length
+    centre: np.ndarray | None = None  # the tensor's value at t = 0 (w, or w on a coarser grid: see segment_step)
 
     @property
     def resolution(self) -> float:
@@ -1161,7 +1177,60 @@ class Segment:
             self.rule, self.integral, self.residual, self.bound = "panels", fine, panel_residual, panel_bound
             self.statistic = (f"the trapezoid sums do not converge like h² (ratio {self.ratio:.3g}): kinks; "
                               f"{panel_words}")
+            block = self._jump_free_block(residuals, integrals, curvature, critical)
+            if block is not None and block[3] / block[4] < panel_bound / self.scale:
+                first, last, block_residual, block_bound, block_scale = block
+                words = (f"panels {first + 1}–{last + 1} of {panels}, whose gradients show no jump beyond their "
+                         f"allowance, give ΔL − ∫f = {block_residual:.3g} (bound {block_bound:.3g}: rounding plus each "
+                         f"panel's |jump|·w/2; relative {block_residual / block_scale:.2g})")
+                # a disagreement is evidence only when the panels show it too: many small jumps of both signs can
+                # hide from the differences (measured: a ReLU conv net's right gradient "disagreed" in 3 of 20 runs)
+                if abs(block_residual) <= block_bound or abs(panel_residual) > panel_bound:
+                    # the relative error and bound of the block, on the whole segment's scale
+                    self.rule, self.integral = "jump-free panels", float(np.sum(integrals[first:last + 1]))
+                    self.residual = block_residual * self.scale / block_scale
+                    self.bound = block_bound * self.scale / block_scale
+                    self.statistic = (f"the trapezoid sums do not converge like h² (ratio {self.ratio:.3g}): kinks; "
+                                      f"{words}")
+                else:
+                    self.statistic += f"; {words}, but the panels do not disagree: a jump beyond its allowance"
         self.outcome = "agree" if abs(self.residual) <= self.bound else "disagree"
+
+    def _jump_free_block(self, residuals: np.ndarray, integrals: np.ndarray, curvature: np.ndarray,
+                         critical: Callable[[int], float]) -> tuple[int, int, float, float, float] | None:
+        """The run of contiguous panels whose identity resolves g·Δ best, with jumps of f allowed for.
+
+        A jump J of f inside panel i (a kink crossed: a clamp, a ReLU) puts J into the difference f_{i+1} − f_i
+        and into neither neighbour's, so |d_i − (d_{i−1} + d_{i+1})/2| ≈ |J| (≈ |J|/2 in the neighbours, ~f‴·w³
+        for a smooth f); the trapezoid's error from it is J·(w/2 − (τ − t_i)), at most |J|·w/2. Each panel
+        carries that allowance, plus its curvature correction (which a neighbouring jump corrupts). Few jumps
+        (a clamp, a small ReLU net) leave most panels with no allowance beyond one panel's rounding bound; many
+        small jumps of both signs (10⁴ ReLUs) can cancel in a difference and hide, but not in half the panels
+        at once: only a run of at least half the panels, each within its rounding, is used. Its bound is the
+        rounding of its two end losses and its nodes' slopes plus its panels' allowances; the run with the
+        smallest bound relative to its ∫|f| is chosen on bounds alone (not on residuals).
+        Returns (first, last, residual, bound, ∫|f| over the run), None when no run qualifies."""
+        panels = len(residuals)
+        if panels < 3:
+            return None
+        width = 2.0 / panels
+        d = np.diff(self.slopes)
+        neighbours = np.concatenate([[d[1]], (d[:-2] + d[2:]) / 2, [d[-2]]])
+        allowance = np.abs(d - neighbours) * width / 2 + np.abs(curvature)
+        one_panel = critical(self.dof) * math.sqrt(2.0 * self.loss_sigma ** 2 + 2.0 * (width * self.slope_sigma) ** 2)
+        quiet = allowance <= one_panel
+        best = None
+        for first in range(panels):
+            for last in range(first + max(panels // 2, 3) - 1, panels):
+                if not quiet[first:last + 1].all():
+                    break
+                count = last - first + 1
+                rounding = math.sqrt(2.0 * self.loss_sigma ** 2 + (width * self.slope_sigma) ** 2 * (count + 1))
+                bound = critical(self.dof) * rounding + float(np.sum(allowance[first:last + 1]))
+                scale = max(float(np.sum(np.abs(integrals[first:last + 1]))), self.scale_floor * count / panels)
+                if scale > 0 and (best is None or bound / scale < best[3] / best[4]):
+                    best = (first, last, float(np.sum(residuals[first:last + 1])), bound, scale)
+        return best
 
     def evidence(self) -> str:
         words = {"agree": "agrees within its bound", "disagree": f"disagrees ({abs(self.residual) / self.bound if self.bound > 0 else math.inf:.3g}× its bound)"}
@@ -1187,33 +1256,110 @@ def segment_panels(budget_left: int, tensors: int) -> int:
     return 0
 
 
+def segment_step(value: np.ndarray, size: float, storage: np.dtype, multipliers, unit: np.ndarray,
+                 may_move: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(centre, step): centre + m·step exact in `storage` for every multiplier m, ‖step‖ ≈ size along `unit`.
+
+    The centre is w itself when that keeps ≥ 90% of the step (see on_grid). A step longer than the elements
+    (a bias of 0.1 moved by 0.3) cannot start from w: w's last bits are lost at |w + m·step| > 2|w|, so
+    on_grid drops those elements and the segment shrinks to the few that stay. Then the centre is w rounded
+    to the step's grid (the spacing at |w| + |step|), a point a few ulps of the segment's reach from w: the
+    identity holds through any point, and every node is exact (one more call, for the centre; with
+    `may_move` False, when the budget has no call to spare, the shrunk step from w)."""
+    step = on_grid(value, size * unit, storage, multipliers)
+    if np.linalg.norm(step) >= 0.9 * size or not may_move or not np.all(np.isfinite(value)):
+        return value, (step if np.any(step) else tensor_step(value, size, storage, multipliers,
+                                                             np.random.default_rng(0), unit=unit))
+    fractions = [abs(m) for m in multipliers if 0 < abs(m) < 1]
+    granularity = 2.0 ** math.ceil(math.log2(1.0 / min(fractions))) if fractions else 1.0
+    reach = np.abs(value) + max(abs(m) for m in multipliers) * np.abs(size * unit)
+    spacing = np.spacing(reach.astype(storage)).astype(np.float64) * granularity
+    centre = np.round(value / spacing) * spacing
+    step = np.round(size * unit / spacing) * spacing
+    for m in multipliers:
+        point = centre + m * step
+        exact = (point.astype(storage).astype(np.float64) == point) & ((point - centre) == m * step)
+        step = np.where(exact, step, 0.0)
+    if not np.any(step):
+        return value, tensor_step(value, size, storage, multipliers, np.random.default_rng(0), unit=unit)
+    return centre, step
+
+
+def half_aligned(grad: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A unit direction at 45° between the claimed gradient and a random direction orthogonal to it.
+
+    A scale error of the gradient (1.01×) shifts the segment's residual by 1% of ∫g·Δ: along a random direction
+    g·Δ is ~‖g‖‖Δ‖/√n and may cancel along the segment (a 1% slip in a 6-element bias then moved the residual by
+    half its bound); here g·Δ = ‖g‖‖Δ‖/√2 at the base, for every seed. The random half keeps errors orthogonal to
+    g visible. The direction is fixed before any call along it, so it does not bias the test."""
+    random = _unit(rng, grad.shape)
+    norm = float(np.linalg.norm(grad))
+    if norm == 0 or not np.all(np.isfinite(grad)):
+        return random
+    along = grad / norm
+    across = random - float(np.sum(random * along)) * along
+    across_norm = float(np.linalg.norm(across))
+    if across_norm < 1e-8:  # one element: the gradient's own direction
+        return along
+    return (along + across / across_norm) / math.sqrt(2.0)
+
+
+def segment_length(loss_sigma: float, critical: float, slope: float) -> float:
+    """‖Δ‖ at which the loss difference's rounding takes ROUNDING_SHARE of SETTLE_RTOL: the segment's scale is
+    ~2‖Δ‖·|g·d|, its rounding bound k_crit·√2·σ_L, so ‖Δ‖ = k_crit·√2·σ_L / (2·|g·d|·ROUNDING_SHARE·SETTLE_RTOL)."""
+    return critical * math.sqrt(2.0) * loss_sigma / (2.0 * slope * ROUNDING_SHARE * SETTLE_RTOL) if slope > 0 else math.inf
+
+
 def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation, noise: Noise,
                    scales: dict[str, float], rng: np.random.Generator, panels: int, storage: np.dtype) -> dict[str, Segment]:
-    """One long segment per tensor (the float32-only check): `panels` uniform panels, nodes at t = j/(panels/2).
-    Then, while calls last, the least resolved segment is refined where its bound comes from: rounding (the loss
-    changes little along it) → a segment STRETCH× longer; quadrature → twice the panels."""
+    """One segment per tensor (the float32-only check): `panels` uniform panels, nodes at t = j/(panels/2), its
+    length chosen from the program's own numbers (`segment_length`: the measured σ_L and g·d at the base), above
+    SEGMENT_MIN·‖w‖ and below SEGMENT_MAX × the larger of ‖w‖ and the model's own scale. Then, while calls last, the least resolved segment is refined where its bound
+    comes from: rounding → a longer segment (by what the bound asks, ≤ SEGMENT_STRETCH×); quadrature → twice the
+    panels, then a segment SEGMENT_SHRINK× shorter (Simpson's error falls with the 4th power of the length, the
+    rounding's share grows with its 1st)."""
     critical = lambda dof: t_critical(ALPHA, dof)
     total = sum(v.size for v in base.values())
     typical = math.sqrt(sum(float(np.sum(g * g)) for g in at_base.grads.values()) / max(total, 1))
+    nodes_fine = list(np.linspace(-1.0, 1.0, 2 * panels + 1))
+    units = {name: half_aligned(at_base.grads[name], rng) for name in base}
+    # the longest segment: SEGMENT_MAX × the tensor's norm, or × the RMS element of the largest non-zero tensor (a
+    # weight matrix: the model's own scale) × √n when that is larger: a bias near zero (1e-6) must get the length its
+    # loss asks for, not one set by its tiny ‖b‖, and a bias at −7e4 beside weights ~0.1 must not set the weights'
+    nonzero = [v for v in base.values() if np.any(v)]
+    typical_rms = float(np.sqrt(np.mean(max(nonzero, key=np.size) ** 2))) if nonzero else 1.0
+    longest = {name: SEGMENT_MAX * max(scales[name], typical_rms * math.sqrt(value.size)) for name, value in base.items()}
 
-    def run(name: str, fraction: float) -> Segment:
+    def run(name: str, length: float, reserved: int = 0) -> Segment:
+        """The segment of `name` (panels calls, one more for a moved centre if the calls beyond `reserved` allow)."""
+        length = min(max(length, SEGMENT_MIN * scales[name]), longest[name])
         nodes = np.linspace(-1.0, 1.0, panels + 1)
         # exact at the nodes of twice as many panels too (the refinement below)
-        step = tensor_step(base[name], fraction * scales[name], storage, list(np.linspace(-1.0, 1.0, 2 * panels + 1)),
-                           rng)
+        centre, step = segment_step(base[name], length, storage, nodes_fine, units[name],
+                                    may_move=calls.left - reserved > panels)
         displacement = {name: step}
-        answers = {float(t): at_base if t == 0.0 else calls("claimed", _point(base, displacement, float(t)))
+        middle = {**base, name: centre}
+        moved = not np.array_equal(centre, base[name])
+        answers = {float(t): at_base if t == 0.0 and not moved else calls("claimed", _point(middle, displacement, float(t)))
                    for t in nodes}
         losses = np.array([answers[float(t)].loss for t in nodes])
         slopes = np.array([_dot(answers[float(t)].grads, displacement) for t in nodes])
         growth = float(np.max(np.abs(losses[[0, -1]]))) / abs(at_base.loss) if at_base.loss else 1.0
-        segment = Segment(f"{name} along a random segment of ±{fraction:g}‖{name}‖", displacement, nodes, losses,
-                          slopes, noise.loss_sigma * max(1.0, growth), noise.direction_sigma(displacement), noise.dof,
-                          fraction=fraction, scale_floor=typical * 2 * float(np.linalg.norm(step)))
+        fraction = float(np.linalg.norm(step)) / scales[name]
+        segment = Segment(f"{name} along a segment of ±{fraction:.2g}‖{name}‖ at 45° to its gradient", displacement,
+                          nodes, losses, slopes, noise.loss_sigma * max(1.0, growth), noise.direction_sigma(displacement), noise.dof,
+                          fraction=fraction, scale_floor=typical * 2 * float(np.linalg.norm(step)), centre=centre)
+        if moved:
+            segment.label += f" through a point {float(np.max(np.abs(centre - base[name]))):.2g} from w"
         segment.evaluate(critical)
         return segment
 
-    segments = {name: run(name, SEGMENT_FRACTION) for name in base}
+    def first_length(name: str) -> float:
+        slope = max(abs(float(np.sum(at_base.grads[name] * units[name]))), typical)
+        return segment_length(noise.loss_sigma, critical(noise.dof), slope)
+
+    # every tensor's first segment before any refinement: the calls for the ones still to run are reserved
+    segments = {name: run(name, first_length(name), panels * (len(base) - 1 - i)) for i, name in enumerate(base)}
     tried = set()
     while True:
         open_ones = [s for s in segments.values() if s.outcome == "agree" and s.resolution > SETTLE_RTOL
@@ -1223,24 +1369,35 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
         segment = max(open_ones, key=lambda s: s.resolution)
         tried.add(id(segment))
         name = next(iter(segment.displacement))
-        if segment.rule != "panels" and segment.rounding_bound > segment.quadrature and segment.fraction < SEGMENT_MAX:
-            longer = run(name, segment.fraction * SEGMENT_STRETCH)
-            if longer.outcome == "disagree" or longer.resolution < segment.resolution:
-                segments[name] = longer
+        length = segment.norm()
+        if segment.rule == "panels" and len(segment.nodes) - 1 >= 2 * panels:
+            # kinks at twice the panels: many small jumps add like a random walk, so more panels halve the scatter
+            # at best (measured on the ReLU nets: median worst resolution 1.7e-2 → 1.6e-2, 2.8e-3 → 2.2e-3 at 16
+            # panels); the calls left go to short stencils (_float32_only)
             continue
-        if segment.rule == "panels" or len(segment.nodes) - 1 >= 2 * panels:
-            # kinks: doubling the panels shrinks the jumps' scatter only ~2× (measured on a ReLU conv net: 0.09 at 16
-            # panels); the calls go to short stencils instead (_float32_only). And the step is exact on the grid of
-            # twice the first panels only
+        if segment.rule != "panels" and segment.rounding_bound > segment.quadrature:
+            if length >= 0.99 * longest[name]:
+                continue
+            stretch = min(max(segment.rounding_bound / (ROUNDING_SHARE * SETTLE_RTOL * segment.scale), 2.0),
+                          SEGMENT_STRETCH)
+            other = run(name, length * stretch)
+        elif len(segment.nodes) - 1 < 2 * panels:
+            midpoints = (segment.nodes[1:] + segment.nodes[:-1]) / 2
+            answers = [calls("claimed", _point({**base, name: segment.centre}, segment.displacement, float(t)))
+                       for t in midpoints]
+            order = np.argsort(np.concatenate([segment.nodes, midpoints]))
+            segment.nodes = np.concatenate([segment.nodes, midpoints])[order]
+            segment.losses = np.concatenate([segment.losses, [a.loss for a in answers]])[order]
+            segment.slopes = np.concatenate([segment.slopes, [_dot(a.grads, segment.displacement) for a in answers]])[order]
+            segment.evaluate(critical)
+            tried.discard(id(segment))
             continue
-        midpoints = (segment.nodes[1:] + segment.nodes[:-1]) / 2
-        answers = [calls("claimed", _point(base, segment.displacement, float(t))) for t in midpoints]
-        order = np.argsort(np.concatenate([segment.nodes, midpoints]))
-        segment.nodes = np.concatenate([segment.nodes, midpoints])[order]
-        segment.losses = np.concatenate([segment.losses, [a.loss for a in answers]])[order]
-        segment.slopes = np.concatenate([segment.slopes, [_dot(a.grads, segment.displacement) for a in answers]])[order]
-        segment.evaluate(critical)
-        tried.discard(id(segment))
+        else:
+            if segment.fraction <= SEGMENT_MIN * 1.01:
+                continue
+            other = run(name, length / SEGMENT_SHRINK)
+        if other.outcome == "disagree" or other.resolution < segment.resolution:
+            segments[name] = other
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1264,7 +1421,9 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
     fd_precision = "float64" if has_float64 else claimed
     fd_storage = np.dtype("float64" if fd_precision == "float64" else "float32")
     claimed_storage = storage_dtype("claimed", claimed)
-    minimum = 1 + len(NOISE_MULTIPLIERS) + (2 * len(base) + 2 * COMPARISON_LINES + 1 + 2 * COMPARISON_LINES
+    float32_only = not has_float64 and claimed != "float64"
+    noise_multipliers = NOISE_MULTIPLIERS_FLOAT32 if float32_only else NOISE_MULTIPLIERS
+    minimum = 1 + len(noise_multipliers) + (2 * len(base) + 2 * COMPARISON_LINES + 1 + 2 * COMPARISON_LINES
                                             if has_float64 else 2 * len(base) + 2 if claimed == "float64"
                                             else 4 * len(base))
     if budget < minimum:
@@ -1275,12 +1434,13 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
     try:
         at_base = calls(fd_build, base)
         scales = tensor_scales(base)
-        noise = {fd_build: measure_noise(calls, fd_build, fd_precision, base, at_base, scales, rng)}
+        noise = {fd_build: measure_noise(calls, fd_build, fd_precision, base, at_base, scales, rng, noise_multipliers)}
         if not noise[fd_build].responsive and fd_build == "float64" and claimed != "float64":
             # a float64 build that is not one is not trusted: the claimed build alone, as without one
             notes.append(_unresponsive_words(noise["float64"], "float64", "float64"))
             at_base = calls("claimed", base)
-            noise["claimed"] = measure_noise(calls, "claimed", claimed, base, at_base, scales, rng)
+            noise["claimed"] = measure_noise(calls, "claimed", claimed, base, at_base, scales, rng,
+                                             NOISE_MULTIPLIERS_FLOAT32)
             if noise["claimed"].responsive:
                 return _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, started, seed, notes)
             fd_build, fd_precision = "claimed", claimed
