@@ -21,7 +21,7 @@ from precision_lab.verdict import judge
 MODELS = Path(__file__).resolve().parents[1] / "examples" / "models"
 #: every example network at a small size it takes (seconds each)
 EXAMPLES = {"tf-lenet.json": 128, "wide-classifier.json": 128, "lenet-classifier.json": 28,
-            "small-unet.json": 32, "dilated-resnet.yaml": 32}
+            "small-unet.json": 32, "dilated-resnet.yaml": 32, "deep-denoiser.json": 32}
 
 
 def _copy(result: Result, **grads) -> Result:
