@@ -6,7 +6,8 @@
 Each seed's problem gets its float64 reference and bounds (sampled where precision_lab.sampled applies);
 every legitimate zoo candidate that applies to the network is judged as `diagnose` judges one problem
 (hypotheses off: they only name a defect's cause; `--no-fingerprint`: the bound and its certification
-only, the part the propagation model decides). `--probes`: each seed's default probes too. Prints the count of verdicts
+only, the part the propagation model decides). `--probes`: each seed's default probes too, and
+the requested problem's quantities its bound cannot certify settled by them as diagnose settles them. Prints the count of verdicts
 other than `roundoff` per candidate, the largest error ÷ bound and the largest ‖bound‖ ÷ ‖quantity‖.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from precision_lab.candidates import registry
 from precision_lab.model import load_model
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference
-from precision_lab.verdict import judge
+from precision_lab.verdict import judge, settle_inconclusive
 from precision_lab.compare import bound_fraction
 import numpy as np
 
@@ -43,20 +44,26 @@ def main() -> None:
     for seed in range(args.first, args.first + args.seeds):
         main = make_problem(args.size, args.batch, seed, network=network)
         problems = [main] + ([probe_set.probe_problem(p, main) for p in probe_set.DEFAULT_PROBES] if args.probes else [])
+        judged = {c.name: [] for c in candidates}
         for problem in problems:
             trace = reference(problem)
             for candidate in candidates:
                 result = candidate.run(problem, "float32", torch.device("cpu"))
                 judgement = judge(result, trace, candidate.claimed_precision, candidate.name, hypotheses=False,
                                   fingerprint=False if args.no_fingerprint else None)
-                if judgement.verdict != "roundoff":
-                    alarms[candidate.name] += 1
-                    print(f"seed {seed} {problem.size_text} {candidate.name}: {judgement.headline()}", flush=True)
+                judged[candidate.name].append(judgement)
                 worst_ratio = max(worst_ratio, max(q.bound_ratio for q in judgement.quantities.values()))
             bounds = trace.meta["error_bounds"][("float32", 7.0)]
             for name, q in bounds.items():
                 ref = np.asarray(trace.loss if name == "loss" else trace.output if name == "output" else trace.grads[name])
                 worst_fraction = max(worst_fraction, bound_fraction(np.asarray(ref, np.float64), q.bound))
+        for name, judgements in judged.items():
+            # what the requested problem's bound cannot certify, every probe may (as diagnose settles it)
+            settle_inconclusive(judgements[0], [(p.name, j) for p, j in zip(probe_set.DEFAULT_PROBES, judgements[1:])])
+            for problem, judgement in zip(problems, judgements):
+                if judgement.verdict != "roundoff":
+                    alarms[name] += 1
+                    print(f"seed {seed} {problem.size_text} {name}: {judgement.headline()}", flush=True)
         print(f"seed {seed} done: non-roundoff so far {sum(alarms.values())}, largest error ÷ bound {worst_ratio:.3g}",
               flush=True)
     runs = len(candidates) * args.seeds * (1 + (len(probe_set.DEFAULT_PROBES) if args.probes else 0))

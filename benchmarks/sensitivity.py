@@ -17,9 +17,10 @@ What a diagnosis (`precision-lab diagnose`, default probes) says about
 3. `false-alarms`: every legitimate order of the zoo judged on `--seeds` seeds at each default probe's
    own size, batch and targets; the non-roundoff verdicts counted per candidate and probe.
 4. `large`: every legitimate order on the requested problem (`--size`) for `--large-seeds` seeds.
-6. `networks` (only when asked): on every example network and the wide classifier at its natural size, at
+6. `networks` (only when asked): on every example network at its natural size (the deep denoiser at 256²,
+   above the size sampled propagation runs at, so its probes settle what its bound cannot), at
    `--network-seeds` seeds with the default probes, judged as diagnose judges (the worst of the problem and
-   its probes): each layer's gradients zeroed, each weight gradient 10% short (scaled by 0.9), the largest
+   its probes, after verdict.settle_inconclusive): each layer's gradients zeroed, each weight gradient 10% short (scaled by 0.9), the largest
    element of each weight gradient slipped by ε (smallest ε caught on the grid), and the native float32 run.
 5. `zoo` (only when asked): the whole zoo's confusion matrix at `--zoo-size` (default 128), judged on that
    problem alone, as before probes existed.
@@ -52,7 +53,7 @@ from precision_lab.device import resolve_device
 from precision_lab.ops import OPS, BackwardReplaced
 from precision_lab.problem import Problem, make_problem, parse_size
 from precision_lab.reference import reference
-from precision_lab.verdict import judge, worst
+from precision_lab.verdict import judge, settle_inconclusive, worst
 
 #: issue 12, item 6: the slips a diagnosis at 1024² with its default probes must catch
 TARGETS = {"largest": 1e-3, "median": 1e-2}
@@ -64,7 +65,7 @@ PARTS = ("slips", "boundary", "false-alarms", "large", "zoo", "zoo-probes", "net
 #: the example networks at their natural sizes (examples/models/), and the wide classifier
 NETWORKS = {"small-unet": ("small-unet.json", 64), "dilated-resnet": ("dilated-resnet.yaml", 64),
             "lenet-classifier": ("lenet-classifier.json", 28), "tf-lenet": ("tf-lenet.json", 128),
-            "wide-classifier": ("wide-classifier.json", 128)}
+            "wide-classifier": ("wide-classifier.json", 128), "deep-denoiser": ("deep-denoiser.json", 256)}
 DEFAULT_PARTS = PARTS[:4]
 
 
@@ -290,7 +291,10 @@ def network_rows(seeds: int, batch: int, device, chosen: list[str]) -> list[dict
                 cases.append((trace, forward_backward(problem, "float32", device)))
 
             def verdict(change) -> str:
-                return worst(judge(change(result), trace, hypotheses=False).verdict for trace, result in cases)
+                judged = [judge(change(result), trace, hypotheses=False) for trace, result in cases]
+                # what the requested problem's bound cannot certify, every probe may (as diagnose settles it)
+                settle_inconclusive(judged[0], [(p.name, j) for p, j in zip(probe_set.DEFAULT_PROBES, judged[1:])])
+                return worst(j.verdict for j in judged)
 
             native_ok += verdict(lambda r: r) == "roundoff"
             for layer in network.parametrised_layers:

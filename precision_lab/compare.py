@@ -122,7 +122,8 @@ def certify(q: QuantityVerdict, ref: np.ndarray, bound: np.ndarray) -> None:
         q.verdict = "inconclusive"
         q.evidence = (f"within a bound {fraction:.3g}× the quantity's own size (‖bound‖ ÷ ‖reference‖ > "
                       f"{CERTIFIABLE_FRACTION:g}): such a bound cannot tell rounding from a lost gradient; settle it "
-                      "with the candidate's float64 build (command_float64) or a smaller network")
+                      "with the candidate's float64 build (command_float64), the default probes (a diagnosis settles it "
+                      "where every probe certifies it) or a smaller problem")
 
 
 def max_ulps(got: np.ndarray, ref: np.ndarray, storage: str) -> float:

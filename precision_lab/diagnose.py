@@ -152,6 +152,9 @@ class Diagnosis:
             repeats = (f"{self.repeats['runs']} runs, largest run-to-run spread ÷ bound "
                        f"{self.repeats['worst_spread_ratio']:.3g} ({self.repeats['worst_quantity']}), "
                        + ("bitwise reproducible" if self.repeats["bitwise_reproducible"] else "not bitwise reproducible"))
+        from .verdict import SETTLED
+
+        settled = [q.quantity for q in self.main.quantities.values() if q.evidence.startswith(SETTLED)]
         float64_build = None
         if self.float64_build:
             ratios = [(row["ratio"], name) for name, row in self.float64_build["quantities"].items()
@@ -168,7 +171,8 @@ class Diagnosis:
                        first_failing=deciding.localisation if self.verdict != "roundoff" else None,
                        fix=deciding.layout_advice if self.verdict != "roundoff" else None,
                        failing=failing, within=[q.quantity for q in self.main.quantities.values()
-                                                if q.verdict == "roundoff"],
+                                                if q.verdict == "roundoff" and q.quantity not in settled],
+                       settled=settled,
                        probes=probes, repeats=repeats, worst_within=_worst_within(self.main),
                        probe_note=self.probe_note, float64_build=float64_build)
 
@@ -226,6 +230,8 @@ class Summary:
     worst_within: str | None = None  # "0.0123, conv2.weight": how much of the bound the closest quantity uses
     probe_note: str | None = None  # how the probes were chosen when the network fixes the size
     float64_build: str | None = None  # the command_float64 build in words: err64 ÷ err32, vanishes or persists
+    settled: list[str] = field(default_factory=list)  # requested-problem quantities its bound cannot certify, settled
+    # by the float64 build or the probes (verdict.settle_inconclusive)
 
     @property
     def headline(self) -> str:
@@ -254,6 +260,9 @@ class Summary:
         if self.within:
             lines.append(f"  within the bound: {', '.join(self.within)}"
                          + (f" (worst error ÷ bound {self.worst_within})" if self.worst_within else ""))
+        if self.settled:
+            lines.append(f"  settled elsewhere (too large a bound here to certify rounding): {', '.join(self.settled)} "
+                         "— certified on every probe or by the float64 build (--verbose says which)")
         said = {verdict + (f" ({named})" if named else "") for _, _, verdict, named in self.probes}
         if len(said) == 1 and len(self.probes) > 1:  # the usual case: every probe agrees
             lines.append(f"  probes: all {len(self.probes)} {said.pop()} "
@@ -321,7 +330,7 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
     """
     from . import resources
     from .device import resolve_device
-    from .verdict import judge
+    from .verdict import judge, settle_inconclusive
 
     where = resolve_device(device)
     if not candidate.supports(where):
@@ -347,6 +356,8 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
         judged.append((probe, judge(probe_result, probe_trace, candidate.claimed_precision, candidate.name)))
         bar.update()
     bar.close()
+    settle_inconclusive(main, [(probe.name, j) for probe, j in judged],
+                        [dict(row, quantity=name) for name, row in recompiled["quantities"].items()] if recompiled else None)
     return Diagnosis(main, judged, spread, probe_set.fixed_size_note(problem.network, problem) if chosen else None,
                      recompiled)
 

@@ -73,6 +73,9 @@ def _summary_html(summary) -> str:
             for _, q in summary.failing)))
     if summary.within:
         rows.append(("within the bound", ", ".join(summary.within)))
+    if summary.settled:
+        rows.append(("settled elsewhere (too large a bound here to certify rounding)", ", ".join(summary.settled)
+                     + ": certified on every probe or by the float64 build"))
     for name, problem_text, verdict, named in summary.probes:
         rows.append((f"probe {name} ({problem_text})", verdict + (f" ({named})" if named else "")))
     return tables.definition_table(rows, "summary")

@@ -178,6 +178,51 @@ def overall(judgement: Judgement) -> None:
                                       f"bound (max error ÷ bound {q.bound_ratio:.3g}){'; ' + q.evidence if q.evidence else ''}")
 
 
+#: the cosine every certified quantity has (compare.CERTIFIABLE_FRACTION: ‖error‖ ≤ ½‖reference‖ gives
+#: cos ≥ √(1 − ¼)); a quantity settled elsewhere must show it on its own problem too
+CERTIFIED_COSINE = math.sqrt(1.0 - 0.25)
+#: how a settled quantity's evidence begins (diagnose.Summary lists them apart from "within the bound")
+SETTLED = "not certifiable by its bound on this problem; "
+
+
+def settle_inconclusive(judgement: Judgement, probes: list[tuple[str, Judgement]],
+                        float64_rows: list[dict] | None = None) -> None:
+    """Settle the requested problem's `inconclusive` quantities another way, where the evidence allows.
+
+    A quantity is `inconclusive` when its bound is too large against it to certify rounding (a deep
+    network's |W|·E bound at a size too large to sample, precision_lab.sampled.ELEMENT_LIMIT). It becomes
+    `roundoff` when (a) the candidate's float64 build shows its error vanishing with the arithmetic
+    (err64 ÷ err32 below the recompilation's boundary: an error that shrinks by u64/u32 is rounding), or
+    (b) every probe judged it and certified it `roundoff` (their bounds are sampled and well below the
+    quantity), and on the requested problem its error leaves the direction a certified quantity keeps
+    (cosine ≥ CERTIFIED_COSINE). Either is said in the quantity's evidence; else it stays `inconclusive`.
+    """
+    vanished = {row["quantity"]: row for row in (float64_rows or []) if row.get("finding") == "vanishes in float64"}
+    settled = []
+    for q in judgement.quantities.values():
+        if q.verdict != "inconclusive":
+            continue
+        if q.quantity in vanished:
+            row = vanished[q.quantity]
+            q.verdict = "roundoff"
+            q.evidence = (f"{SETTLED}settled by the float64 build: its error "
+                          f"vanishes with the arithmetic (err64 ÷ err32 = {row['ratio']:.2g})")
+        elif probes and all(q.quantity in p.quantities and p.quantities[q.quantity].verdict == "roundoff"
+                            for _, p in probes) and q.cosine >= CERTIFIED_COSINE:
+            fractions = ", ".join(f"{name} {p.quantities[q.quantity].bound_ratio:.2g}" for name, p in probes)
+            q.verdict = "roundoff"
+            q.evidence = (f"{SETTLED}certified on every probe (error ÷ bound "
+                          f"{fractions}), cosine here {q.cosine:.6f}")
+        else:
+            continue
+        settled.append(q.quantity)
+    if settled:
+        judgement.verdict = worst(q.verdict for q in judgement.quantities.values())
+        judgement.evidence = [line for line in judgement.evidence
+                              if not any(line.startswith(f"{name}: inconclusive") for name in settled)]
+        judgement.evidence.append(f"settled elsewhere (their bounds here cannot certify): {', '.join(settled)}")
+
+
 def dumps(judgement: Judgement) -> str:
     """The diagnose JSON as text (no NaN/inf: JSON has neither)."""
     return json.dumps(judgement.to_json(), indent=1)

@@ -21,7 +21,7 @@ from precision_lab.verdict import judge
 MODELS = Path(__file__).resolve().parents[1] / "examples" / "models"
 #: every example network at a small size it takes (seconds each)
 EXAMPLES = {"tf-lenet.json": 128, "wide-classifier.json": 128, "lenet-classifier.json": 28,
-            "small-unet.json": 32, "dilated-resnet.yaml": 32}
+            "small-unet.json": 32, "dilated-resnet.yaml": 32, "deep-denoiser.json": 32}
 
 
 def _copy(result: Result, **grads) -> Result:
@@ -166,3 +166,72 @@ def test_cross_entropy_gradient_bound_stays_finite_for_huge_logit_errors():
     value, _ = loss.forward_backward(z.double(), target)
     _, grad = loss.bound(Field(z, torch.full_like(z, 1e3)), target, float(value), ctx)
     assert torch.all(torch.isfinite(grad.error)) and float(grad.error.max()) <= (1 + 1e-5) / 2
+
+
+def _deep_network(layers: int = 6, channels: int = 8):
+    spec = []
+    for i in range(layers):
+        spec += [{"name": f"conv{i + 1}", "op": "conv2d", "in": 1 if i == 0 else channels, "out": channels,
+                  "kernel": 3, "padding": 1}, {"name": f"relu{i + 1}", "op": "relu"}]
+    spec.append({"name": "head", "op": "conv2d", "in": channels, "out": 1, "kernel": 3, "padding": 1})
+    return load_model({"name": "deep", "input_channels": 1, "layers": spec, "loss": "mse"})
+
+
+@pytest.mark.slow
+def test_a_deep_network_above_the_sampled_size_is_settled_by_its_probes(monkeypatch):
+    # |W|·E compounds through 7 layers to bounds far above the gradients (inconclusive, exit 1, before) where
+    # the problem is too large to sample; the probes are sampled and certify every quantity, a slip there too
+    from precision_lab import sampled
+    from precision_lab.candidates import Candidate
+    from precision_lab.diagnose import diagnose
+
+    network = _deep_network()
+    problem = make_problem(64, 2, 3, network=network)
+    monkeypatch.setattr(sampled, "ELEMENT_LIMIT", 61 * 67 * 2)  # every probe sampled, the 2·64² problem not
+
+    def native(problem, precision, device):
+        return forward_backward(problem, precision, device)
+
+    def short(problem, precision, device):
+        result = forward_backward(problem, precision, device)
+        return _copy(result, **{"conv2.weight": result.grads["conv2.weight"] * 0.9})
+
+    right = diagnose(Candidate("native", "native float32", native), problem, "cpu")
+    assert any(q.verdict == "inconclusive" or q.evidence.startswith("not certifiable")
+               for q in right.main.quantities.values())  # the requested problem alone cannot certify
+    assert right.verdict == "roundoff", right.to_text()
+    assert right.summary().settled and "settled elsewhere" in right.to_text()
+    for q in right.main.quantities.values():
+        assert q.verdict == "roundoff" and q.cosine >= 0.87
+    slipped = diagnose(Candidate("short", "conv2.weight 10% short", short), problem, "cpu")
+    assert slipped.verdict == "defect", slipped.to_text()
+    assert slipped.main.quantities["conv2.weight"].verdict != "roundoff"  # never settled on probes that fail it
+
+
+def test_settling_needs_the_float64_build_or_every_probe_and_a_certified_cosine():
+    from precision_lab.verdict import Judgement, settle_inconclusive
+
+    ref = np.array([1.0, -2.0, 0.5])
+
+    def judgement(got, bound):
+        q = measure("g", got, ref, bound)
+        return Judgement("c", "float32", q.verdict, {"g": q})
+
+    loose = np.full(3, 3.0)  # a bound 3× the gradient: inconclusive on its own
+    certified = judgement(ref * (1 + 1e-6), np.abs(ref) * 1e-3)
+    failing = judgement(ref * 1.5, np.abs(ref) * 1e-3)
+    main = judgement(ref * (1 + 1e-6), loose)
+    settle_inconclusive(main, [("p1", certified), ("p2", certified)])
+    assert main.verdict == "roundoff" and "certified on every probe" in main.quantities["g"].evidence
+    main = judgement(ref * (1 + 1e-6), loose)
+    settle_inconclusive(main, [("p1", certified), ("p2", failing)])
+    assert main.verdict == "inconclusive"  # one probe fails it: not settled
+    zero = judgement(np.zeros(3) + 1e-9, loose)
+    settle_inconclusive(zero, [("p1", certified)])
+    assert zero.verdict == "inconclusive"  # cosine ~0 here: the probes cannot vouch for this problem
+    main = judgement(ref * (1 + 1e-6), loose)
+    settle_inconclusive(main, [], [{"quantity": "g", "finding": "vanishes in float64", "ratio": 2e-9}])
+    assert main.verdict == "roundoff" and "float64 build" in main.quantities["g"].evidence
+    main = judgement(ref * (1 + 1e-6), loose)
+    settle_inconclusive(main, [], [{"quantity": "g", "finding": "persists in float64", "ratio": 0.9}])
+    assert main.verdict == "inconclusive"
