@@ -109,30 +109,9 @@ def attention_block(seed=2, batch=2, length=6, width=8):
 
 def tanh_chain(tensors=10, width=6, seed=4):
     """A numpy network of `tensors` parameter tensors (weights and biases of tanh layers), backward by hand."""
-    rng = np.random.default_rng(seed)
-    layers = tensors // 2
-    x, t = rng.standard_normal((32, width)), rng.standard_normal((32, width))
-    params = {}
-    for i in range(layers):
-        params[f"l{i}.weight"] = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
-        params[f"l{i}.bias"] = (0.1 * rng.standard_normal(width)).astype(np.float32)
+    from precision_lab.experiments.gradient_check import _tanh_kind
 
-    def program(p, dtype):
-        h, cache = x.astype(dtype), []
-        for i in range(layers):
-            z = h @ p[f"l{i}.weight"].T + p[f"l{i}.bias"]
-            cache.append((h, z))
-            h = np.tanh(z)
-        r = h - t.astype(dtype)
-        loss = np.mean(r * r)
-        g, grads = 2 * r / r.size, {}
-        for i in reversed(range(layers)):
-            h_in, z = cache[i]
-            g = g * (1 - np.tanh(z) ** 2)
-            grads[f"l{i}.weight"], grads[f"l{i}.bias"] = g.T @ h_in, g.sum(0)
-            g = g @ p[f"l{i}.weight"]
-        return loss, grads
-    return params, program
+    return _tanh_kind(seed=seed, width=width, layers=tensors // 2)
 
 
 def wrong(program, tensor, how, only_float32=False):
