@@ -173,7 +173,7 @@ class Diagnosis:
                        failing=failing, within=[q.quantity for q in self.main.quantities.values()
                                                 if q.verdict == "roundoff" and q.quantity not in settled],
                        settled=settled,
-                       probes=probes, repeats=repeats, worst_within=_worst_within(self.main),
+                       probes=probes, repeats=repeats, worst_within=_worst_within(self.main, settled),
                        probe_note=self.probe_note, float64_build=float64_build)
 
     def to_text(self, verbose: bool = False) -> str:
@@ -198,8 +198,8 @@ def _named(q) -> str | None:
     return q.layout_fix or q.format or q.cause
 
 
-def _worst_within(judgement) -> str | None:
-    within = [q for q in judgement.quantities.values() if q.verdict == "roundoff"]
+def _worst_within(judgement, settled=()) -> str | None:
+    within = [q for q in judgement.quantities.values() if q.verdict == "roundoff" and q.quantity not in settled]
     if not within:
         return None
     worst = max(within, key=lambda q: q.bound_ratio)
