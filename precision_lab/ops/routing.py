@@ -38,6 +38,12 @@ def _image(shape, op: str):
         raise OpSpecError(f"{op} needs an image (C, H, W) but receives {len(shape)}-D features (a flatten came before it)")
 
 
+def _resized(op, attrs, shape):
+    """(C, H', W') of an op that sizes each image axis on its own (its `axis_length`), channels kept."""
+    _image(shape, op.name)
+    return (shape[0],) + tuple(op.axis_length(attrs, [shape[1 + a]], a) for a in (0, 1))
+
+
 class Pool(Op):
     keys = {"kernel": REQUIRED, "stride": None, "padding": 0}
 
@@ -50,8 +56,7 @@ class Pool(Op):
         return attrs
 
     def out_shape(self, attrs, in_shapes):
-        _image(in_shapes[0], self.name)
-        return (in_shapes[0][0],) + tuple(self.axis_length(attrs, [in_shapes[0][1 + a]], a) for a in (0, 1))
+        return _resized(self, attrs, in_shapes[0])
 
     def axis_length(self, attrs, lengths, axis):
         length = lengths[0]
@@ -192,8 +197,7 @@ class UpsampleNearest(Op):
         return attrs
 
     def out_shape(self, attrs, in_shapes):
-        _image(in_shapes[0], self.name)
-        return (in_shapes[0][0],) + tuple(self.axis_length(attrs, [in_shapes[0][1 + a]], a) for a in (0, 1))
+        return _resized(self, attrs, in_shapes[0])
 
     def axis_length(self, attrs, lengths, axis):
         return None if lengths[0] is None else lengths[0] * attrs["scale"][axis]
@@ -354,8 +358,7 @@ class ZeroPad2d(Op):
         return attrs
 
     def out_shape(self, attrs, in_shapes):
-        _image(in_shapes[0], self.name)
-        return (in_shapes[0][0],) + tuple(self.axis_length(attrs, [in_shapes[0][1 + a]], a) for a in (0, 1))
+        return _resized(self, attrs, in_shapes[0])
 
     def axis_length(self, attrs, lengths, axis):
         length, multiple = lengths[0], attrs["multiple"][axis]
