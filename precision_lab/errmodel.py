@@ -26,6 +26,7 @@ largest S so that a ratio never divides by zero.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,7 +93,9 @@ def _as_tensor(value, like: torch.Tensor) -> torch.Tensor:
 def _floored(bound: torch.Tensor, abs_sum: torch.Tensor, u: float) -> torch.Tensor:
     # dead elements (S = 0) are exact in any order; floor at one u of the tensor's largest S
     floor = max(u * float(abs_sum.max()), np.finfo(np.float32).tiny)
-    return torch.clamp(bound * EVALUATION_MARGIN, min=floor)
+    # |W|·E through a deep network can overflow float32 (inf, and 0·inf = NaN): a bound that large is
+    # infinite, not undefined — it certifies nothing (compare.certify), and never makes a right result a defect
+    return torch.clamp(torch.nan_to_num(bound * EVALUATION_MARGIN, nan=math.inf), min=floor)
 
 
 def _quantity(name: str, parts: Parts, u: float, shape=None) -> QuantityBound:

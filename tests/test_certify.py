@@ -235,3 +235,19 @@ def test_settling_needs_the_float64_build_or_every_probe_and_a_certified_cosine(
     main = judgement(ref * (1 + 1e-6), loose)
     settle_inconclusive(main, [], [{"quantity": "g", "finding": "persists in float64", "ratio": 0.9}])
     assert main.verdict == "inconclusive"
+
+
+def test_a_bound_that_overflows_float32_certifies_nothing_and_accuses_nothing(monkeypatch):
+    # |W|·E through 20 layers of 32 channels passes float32's range (inf, and NaN from 0·inf): the right
+    # result was a `defect` with err/bound NaN on every weight gradient before; now inconclusive, never defect
+    from precision_lab import errmodel, sampled
+
+    monkeypatch.setattr(sampled, "ELEMENT_LIMIT", 0)  # |W|·E alone, as above the sampled size
+    network = _deep_network(layers=20, channels=32)
+    problem = make_problem(32, 2, 0, network=network)
+    trace = reference(problem)
+    bounds = errmodel.error_bounds(trace, "float32")
+    assert any(np.isinf(q.bound).any() for q in bounds.values())  # the case: it does overflow
+    assert not any(np.isnan(q.bound).any() for q in bounds.values())
+    judgement = judge(forward_backward(problem, "float32"), trace, hypotheses=False)
+    assert judgement.verdict == "inconclusive", judgement.to_text()
