@@ -356,8 +356,7 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
         judged.append((probe, judge(probe_result, probe_trace, candidate.claimed_precision, candidate.name)))
         bar.update()
     bar.close()
-    settle_inconclusive(main, [(probe.name, j) for probe, j in judged],
-                        [dict(row, quantity=name) for name, row in recompiled["quantities"].items()] if recompiled else None)
+    settle_inconclusive(main, [(probe.name, j) for probe, j in judged], recompiled["quantities"] if recompiled else None)
     return Diagnosis(main, judged, spread, probe_set.fixed_size_note(problem.network, problem) if chosen else None,
                      recompiled)
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import doctors, errmodel, formats
-from .compare import QuantityVerdict, compare, quantity_arrays  # noqa: F401 - re-exported
+from .compare import CERTIFIABLE_FRACTION, QuantityVerdict, compare, quantity_arrays  # noqa: F401 - re-exported
 from .compute import Result, Trace
 
 if TYPE_CHECKING:  # pandas is imported where a table is built: a diagnosis never needs it
@@ -178,15 +178,15 @@ def overall(judgement: Judgement) -> None:
                                       f"bound (max error ÷ bound {q.bound_ratio:.3g}){'; ' + q.evidence if q.evidence else ''}")
 
 
-#: the cosine every certified quantity has (compare.CERTIFIABLE_FRACTION: ‖error‖ ≤ ½‖reference‖ gives
-#: cos ≥ √(1 − ¼)); a quantity settled elsewhere must show it on its own problem too
-CERTIFIED_COSINE = math.sqrt(1.0 - 0.25)
+#: the cosine every certified quantity has (‖error‖ ≤ CERTIFIABLE_FRACTION·‖reference‖ gives cos ≥ √(1 − ¼));
+#: a quantity settled elsewhere must show it on its own problem too
+CERTIFIED_COSINE = math.sqrt(1.0 - CERTIFIABLE_FRACTION ** 2)
 #: how a settled quantity's evidence begins (diagnose.Summary lists them apart from "within the bound")
 SETTLED = "not certifiable by its bound on this problem; "
 
 
 def settle_inconclusive(judgement: Judgement, probes: list[tuple[str, Judgement]],
-                        float64_rows: list[dict] | None = None) -> None:
+                        float64_quantities: dict[str, dict] | None = None) -> None:
     """Settle the requested problem's `inconclusive` quantities another way, where the evidence allows.
 
     A quantity is `inconclusive` when its bound is too large against it to certify rounding (a deep
@@ -196,8 +196,9 @@ def settle_inconclusive(judgement: Judgement, probes: list[tuple[str, Judgement]
     (b) every probe judged it and certified it `roundoff` (their bounds are sampled and well below the
     quantity), and on the requested problem its error leaves the direction a certified quantity keeps
     (cosine ≥ CERTIFIED_COSINE). Either is said in the quantity's evidence; else it stays `inconclusive`.
+    `float64_quantities`: the recompilation's row per quantity (diagnose's `float64_build["quantities"]`).
     """
-    vanished = {row["quantity"]: row for row in (float64_rows or []) if row.get("finding") == "vanishes in float64"}
+    vanished = {name: row for name, row in (float64_quantities or {}).items() if row.get("finding") == "vanishes in float64"}
     settled = []
     for q in judgement.quantities.values():
         if q.verdict != "inconclusive":

@@ -230,10 +230,10 @@ def test_settling_needs_the_float64_build_or_every_probe_and_a_certified_cosine(
     settle_inconclusive(zero, [("p1", certified)])
     assert zero.verdict == "inconclusive"  # cosine ~0 here: the probes cannot vouch for this problem
     main = judgement(ref * (1 + 1e-6), loose)
-    settle_inconclusive(main, [], [{"quantity": "g", "finding": "vanishes in float64", "ratio": 2e-9}])
+    settle_inconclusive(main, [], {"g": {"finding": "vanishes in float64", "ratio": 2e-9}})
     assert main.verdict == "roundoff" and "float64 build" in main.quantities["g"].evidence
     main = judgement(ref * (1 + 1e-6), loose)
-    settle_inconclusive(main, [], [{"quantity": "g", "finding": "persists in float64", "ratio": 0.9}])
+    settle_inconclusive(main, [], {"g": {"finding": "persists in float64", "ratio": 0.9}})
     assert main.verdict == "inconclusive"
 
 
