@@ -231,7 +231,7 @@ class Summary:
     probe_note: str | None = None  # how the probes were chosen when the network fixes the size
     float64_build: str | None = None  # the command_float64 build in words: err64 ÷ err32, vanishes or persists
     settled: list[str] = field(default_factory=list)  # requested-problem quantities its bound cannot certify, settled
-    # by the float64 build or the probes (verdict.settle_inconclusive)
+    # by the float64 build or the probes (verdict.settle_diagnosis)
 
     @property
     def headline(self) -> str:
@@ -330,7 +330,7 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
     """
     from . import resources
     from .device import resolve_device
-    from .verdict import judge, settle_inconclusive
+    from .verdict import judge, settle_diagnosis
 
     where = resolve_device(device)
     if not candidate.supports(where):
@@ -356,7 +356,7 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
         judged.append((probe, judge(probe_result, probe_trace, candidate.claimed_precision, candidate.name)))
         bar.update()
     bar.close()
-    settle_inconclusive(main, [(probe.name, j) for probe, j in judged], recompiled["quantities"] if recompiled else None)
+    settle_diagnosis(main, [(probe.name, j) for probe, j in judged], recompiled["quantities"] if recompiled else None)
     return Diagnosis(main, judged, spread, probe_set.fixed_size_note(problem.network, problem) if chosen else None,
                      recompiled)
 

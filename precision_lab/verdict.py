@@ -186,7 +186,7 @@ SETTLED = "not certifiable by its bound on this problem; "
 
 
 def settle_inconclusive(judgement: Judgement, probes: list[tuple[str, Judgement]],
-                        float64_quantities: dict[str, dict] | None = None) -> None:
+                        float64_quantities: dict[str, dict] | None = None, others: str = "every probe") -> None:
     """Settle the requested problem's `inconclusive` quantities another way, where the evidence allows.
 
     A quantity is `inconclusive` when its bound is too large against it to certify rounding (a deep
@@ -212,7 +212,7 @@ def settle_inconclusive(judgement: Judgement, probes: list[tuple[str, Judgement]
                             for _, p in probes) and q.cosine >= CERTIFIED_COSINE:
             fractions = ", ".join(f"{name} {p.quantities[q.quantity].bound_ratio:.2g}" for name, p in probes)
             q.verdict = "roundoff"
-            q.evidence = (f"{SETTLED}certified on every probe (error ÷ bound "
+            q.evidence = (f"{SETTLED}certified on {others} (error ÷ bound "
                           f"{fractions}), cosine here {q.cosine:.6f}")
         else:
             continue
@@ -222,6 +222,37 @@ def settle_inconclusive(judgement: Judgement, probes: list[tuple[str, Judgement]
         judgement.evidence = [line for line in judgement.evidence
                               if not any(line.startswith(f"{name}: inconclusive") for name in settled)]
         judgement.evidence.append(f"settled elsewhere (their bounds here cannot certify): {', '.join(settled)}")
+
+
+def settle_diagnosis(main: Judgement, probes: list[tuple[str, Judgement]],
+                     float64_quantities: dict[str, dict] | None = None) -> None:
+    """Settle every problem of a diagnosis: the requested one by its probes and float64 build
+    (settle_inconclusive), and each probe by the requested problem and the other probes.
+
+    A probe's bound cannot certify a quantity that is near zero there by chance (a one-element bias
+    whose gradient, the mean residual, is 1/20 of its bound on one probe of 100 seeds): that probe
+    abstains, and the quantity is `roundoff` only if every other problem certified it and the probe's
+    own cosine is that of a certified quantity. A bug that leaves the quantity's error within that
+    probe's bound was below what the probe resolves in any case."""
+    before = {name: {key: q.verdict for key, q in j.quantities.items()} for name, j in [("requested", main)] + probes}
+    settle_inconclusive(main, probes, float64_quantities)
+    for name, judgement in probes:
+        others = [(other, j) for other, j in [("requested", main)] + probes if other != name]
+        # judged on the verdicts as they were (a quantity settled elsewhere certifies nothing)
+        certified = [(other, _as_judged(j, before[other])) for other, j in others]
+        settle_inconclusive(judgement, certified, None, others="the requested problem and every other probe")
+
+
+def _as_judged(judgement: Judgement, verdicts: dict[str, str]) -> Judgement:
+    """A view of `judgement` whose quantities carry the verdicts in `verdicts` (their verdicts before settling)."""
+    import copy
+    view = copy.copy(judgement)
+    view.quantities = {}
+    for key, q in judgement.quantities.items():
+        seen = copy.copy(q)
+        seen.verdict = verdicts.get(key, q.verdict)
+        view.quantities[key] = seen
+    return view
 
 
 def dumps(judgement: Judgement) -> str:

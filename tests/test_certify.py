@@ -251,3 +251,30 @@ def test_a_bound_that_overflows_float32_certifies_nothing_and_accuses_nothing(mo
     assert not any(np.isnan(q.bound).any() for q in bounds.values())
     judgement = judge(forward_backward(problem, "float32"), trace, hypotheses=False)
     assert judgement.verdict == "inconclusive", judgement.to_text()
+
+
+def test_a_probe_that_cannot_certify_a_near_zero_quantity_abstains_when_every_other_problem_certifies_it():
+    from precision_lab.verdict import Judgement, settle_diagnosis
+
+    ref = np.array([1.0, -2.0, 0.5])
+
+    def judgement(got, bound, reference=ref):
+        q = measure("g", got, reference, bound)
+        return Judgement("c", "float32", q.verdict, {"g": q})
+
+    certified = lambda: judgement(ref * (1 + 1e-6), np.abs(ref) * 1e-3)  # noqa: E731
+    near_zero = ref * 1e-3  # the gradient is 1/3 of its bound on this probe by chance
+    probe = judgement(near_zero * (1 + 1e-4), np.full(3, 3e-3), near_zero)
+    assert probe.verdict == "inconclusive"
+    main = certified()
+    settle_diagnosis(main, [("p1", probe), ("p2", certified())])
+    assert probe.verdict == "roundoff" and "the requested problem and every other probe" in probe.quantities["g"].evidence
+    # a zeroed gradient on that probe (cosine 0) is not vouched for by the others
+    zeroed = judgement(np.zeros(3), np.full(3, 3e-3), near_zero)
+    settle_diagnosis(certified(), [("p1", zeroed), ("p2", certified())])
+    assert zeroed.verdict == "inconclusive"
+    # two problems that cannot certify it do not vouch for each other
+    main_loose = judgement(ref * (1 + 1e-6), np.full(3, 3.0))
+    probe = judgement(near_zero * (1 + 1e-4), np.full(3, 3e-3), near_zero)
+    settle_diagnosis(main_loose, [("p1", probe), ("p2", certified())])
+    assert main_loose.verdict == "inconclusive" and probe.verdict == "inconclusive"
