@@ -22,6 +22,8 @@ What a diagnosis (`precision-lab diagnose`, default probes) says about
    `--network-seeds` seeds with the default probes, judged as diagnose judges (the worst of the problem and
    its probes, after verdict.settle_diagnosis): each layer's gradients zeroed, each weight gradient 10% short (scaled by 0.9), the largest
    element of each weight gradient slipped by ε (smallest ε caught on the grid), and the native float32 run.
+   `--network-spec SPEC:SIZE` runs the same on any model spec (benchmarks/networks/ holds three networks
+   unlike the examples: a GELU/tanh MLP classifier, a strided leaky-ReLU classifier, six sigmoid convolutions).
 5. `zoo` (only when asked): the whole zoo's confusion matrix at `--zoo-size` (default 128), judged on that
    problem alone, as before probes existed.
 
@@ -40,6 +42,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -428,7 +431,10 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="256², 20 seeds per probe, one large seed")
     parser.add_argument("--candidates", help="false-alarms and large: only these legitimate orders (comma-separated)")
     parser.add_argument("--network-seeds", type=int, default=3, help="seeds of the networks part (default 3)")
-    parser.add_argument("--networks", default=",".join(NETWORKS), help="networks part: which (comma-separated)")
+    parser.add_argument("--networks", default=None, help="networks part: which (comma-separated; default all)")
+    parser.add_argument("--network-spec", action="append", default=[], metavar="SPEC:SIZE",
+                        help="networks part: a model spec of your own at that image size (repeatable; with it, "
+                        "only the specs given unless --networks names examples too)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", help="write the markdown here (default: stdout only)")
     args = parser.parse_args(argv)
@@ -471,7 +477,15 @@ def main(argv=None) -> None:
         figures["zoo-probes"] = zoo_probe_rows(args.size, args.batch, args.seed, device)
     if "networks" in parts:
         print("the example networks…", file=sys.stderr)
-        rows = network_rows(args.network_seeds, args.batch, device, [n.strip() for n in args.networks.split(",")])
+        chosen = [n.strip() for n in args.networks.split(",")] if args.networks else ([] if args.network_spec
+                                                                                        else list(NETWORKS))
+        for item in args.network_spec:
+            spec, _, size = item.rpartition(":")
+            if not spec or not size.isdigit() or not Path(spec).is_file():
+                parser.error(f"--network-spec {item!r}: expected SPEC:SIZE with an existing spec file and an integer size")
+            NETWORKS[Path(spec).stem] = (str(Path(spec).resolve()), int(size))
+            chosen.append(Path(spec).stem)
+        rows = network_rows(args.network_seeds, args.batch, device, chosen)
         lines = [f"\n### Example networks ({args.network_seeds} seeds, default probes)\n",
                  "| network | layer | zeroed → not roundoff | weight gradient 10% short → not roundoff | "
                  "smallest ε caught (largest element, worst seed) | native float32 roundoff |", "|---|---|---|---|---|---|"]
