@@ -352,8 +352,11 @@ def _matrix_lines(matrix) -> list[str]:
 
 
 def markdown(args, size_text: str, figures: dict) -> str:
+    # the networks part has its own sizes and seeds (in its table): the requested problem is the other parts'
+    problem = (f"requested problem {size_text}, batch {args.batch}, seed {args.seed}" if set(figures) - {"networks"}
+               else f"each network at the size in its row, batch {args.batch}, seeds 0–{args.network_seeds - 1}")
     lines = [f"Measured by `{' '.join(['python', 'benchmarks/sensitivity.py'] + sys.argv[1:])}` "
-             f"(requested problem {size_text}, batch {args.batch}, seed {args.seed}; probes "
+             f"({problem}; probes "
              + ", ".join(f"`{p.name}`" for p in probe_set.DEFAULT_PROBES) + f"; device {args.device}).", ""]
     if "slips" in figures:
         lines += ["**Single-element slips** (g[k] + ε·|g[k]|, k the largest or a median-magnitude element of the "
@@ -451,6 +454,14 @@ def main(argv=None) -> None:
         unknown = [n for n in CHOSEN if n not in registry() or registry()[n].family != "legitimate"]
         if unknown:
             parser.error(f"--candidates: not legitimate orders of the zoo: {', '.join(unknown)}")
+    chosen = [n.strip() for n in args.networks.split(",")] if args.networks else ([] if args.network_spec
+                                                                                    else list(NETWORKS))
+    for item in args.network_spec:
+        spec, _, size = item.rpartition(":")
+        if not spec or not size.isdigit() or not Path(spec).is_file():
+            parser.error(f"--network-spec {item!r}: expected SPEC:SIZE with an existing spec file and an integer size")
+        NETWORKS[Path(spec).stem] = (str(Path(spec).resolve()), int(size))
+        chosen.append(Path(spec).stem)
     device = resolve_device(args.device)
     torch.manual_seed(0)
     size_text = "×".join(str(s) for s in parse_size(args.size))
@@ -477,14 +488,6 @@ def main(argv=None) -> None:
         figures["zoo-probes"] = zoo_probe_rows(args.size, args.batch, args.seed, device)
     if "networks" in parts:
         print("the example networks…", file=sys.stderr)
-        chosen = [n.strip() for n in args.networks.split(",")] if args.networks else ([] if args.network_spec
-                                                                                        else list(NETWORKS))
-        for item in args.network_spec:
-            spec, _, size = item.rpartition(":")
-            if not spec or not size.isdigit() or not Path(spec).is_file():
-                parser.error(f"--network-spec {item!r}: expected SPEC:SIZE with an existing spec file and an integer size")
-            NETWORKS[Path(spec).stem] = (str(Path(spec).resolve()), int(size))
-            chosen.append(Path(spec).stem)
         rows = network_rows(args.network_seeds, args.batch, device, chosen)
         lines = [f"\n### Example networks ({args.network_seeds} seeds, default probes)\n",
                  "| network | layer | zeroed → not roundoff | weight gradient 10% short → not roundoff | "
