@@ -10,7 +10,8 @@ it away:
   add, each activation's evaluation, the loss's gradient — is given a Gaussian draw of the scale σ its
   Higham & Mary bound has before λ (σ = γ̃ₙ(λ)·S / λ ≥ √n·u·S for a sum of n terms with S = Σ|terms|,
   since γ̃ₙ(λ) = exp(λ√n·u + nu²/(1 − u)) − 1 ≥ λ√n·u; u·|y| for one rounding; the activation's
-  evaluation bound of ops/pointwise.py);
+  evaluation bound of ops/pointwise.py); a 3×3 stride-1 convolution's output at the larger of that and
+  Winograd's own scale (conv.winograd_bound), since a legitimate implementation may compute it so;
 * the float64 network is run K times with these draws added where they arise (each layer's output and
   each input gradient), so every draw travels through the signed weights, the ReLU masks and the
   max-pool routing it meets, and the same draw reaches every quantity it affects (the dependence that
@@ -33,7 +34,8 @@ import numpy as np
 import torch
 
 from . import formats, roundoff
-from .ops import OPS
+from .conv.winograd_bound import winograd_scale
+from .ops import OPS, is_seed_conv
 
 #: runs of the float64 network with sampled roundings (K): each costs one float64 forward and backward
 SAMPLES = 16
@@ -98,8 +100,12 @@ class SampledOp:
     def forward_scale(self, attrs, xs, y, params, kernels):
         name, u, lam = self.op.name, self.u, self.lam
         if name == "conv2d":
-            return _gamma_over_lambda(self.op.terms_forward(attrs), u, lam) * self.op.forward(
+            direct = _gamma_over_lambda(self.op.terms_forward(attrs), u, lam) * self.op.forward(
                 attrs, [xs[0].abs()], _abs_params(params), kernels)
+            if not is_seed_conv(attrs):
+                return direct
+            # a legitimate Winograd algorithm rounds more where the layer has few input channels: its scale
+            return torch.maximum(direct, winograd_scale(xs[0], params["weight"], u).to(direct.dtype))
         if name == "linear":
             return _gamma_over_lambda(attrs["in"] + (1 if attrs["bias"] else 0), u, lam) * self.op.forward(
                 attrs, [xs[0].abs()], _abs_params(params), kernels)
