@@ -187,7 +187,8 @@ SETTLED = "not certifiable by its bound on this problem; "
 
 def settle_inconclusive(judgement: Judgement, probes: list[tuple[str, Judgement]],
                         float64_quantities: dict[str, dict] | None = None, others: str = "every probe") -> None:
-    """Settle the requested problem's `inconclusive` quantities another way, where the evidence allows.
+    """Settle a problem's `inconclusive` quantities another way, where the evidence allows (the requested
+    problem's by its probes and float64 build; a probe's by the other problems: settle_diagnosis).
 
     A quantity is `inconclusive` when its bound is too large against it to certify rounding (a deep
     network's |W|·E bound at a size too large to sample, precision_lab.sampled.ELEMENT_LIMIT). It becomes
@@ -234,25 +235,12 @@ def settle_diagnosis(main: Judgement, probes: list[tuple[str, Judgement]],
     abstains, and the quantity is `roundoff` only if every other problem certified it and the probe's
     own cosine is that of a certified quantity. A bug that leaves the quantity's error within that
     probe's bound was below what the probe resolves in any case."""
-    before = {name: {key: q.verdict for key, q in j.quantities.items()} for name, j in [("requested", main)] + probes}
+    # the order does not matter: a quantity is settled on one problem only if it is `roundoff` on every other,
+    # so no settled verdict can be what settles another
     settle_inconclusive(main, probes, float64_quantities)
     for name, judgement in probes:
         others = [(other, j) for other, j in [("requested", main)] + probes if other != name]
-        # judged on the verdicts as they were (a quantity settled elsewhere certifies nothing)
-        certified = [(other, _as_judged(j, before[other])) for other, j in others]
-        settle_inconclusive(judgement, certified, None, others="the requested problem and every other probe")
-
-
-def _as_judged(judgement: Judgement, verdicts: dict[str, str]) -> Judgement:
-    """A view of `judgement` whose quantities carry the verdicts in `verdicts` (their verdicts before settling)."""
-    import copy
-    view = copy.copy(judgement)
-    view.quantities = {}
-    for key, q in judgement.quantities.items():
-        seen = copy.copy(q)
-        seen.verdict = verdicts.get(key, q.verdict)
-        view.quantities[key] = seen
-    return view
+        settle_inconclusive(judgement, others, None, others="the requested problem and every other probe")
 
 
 def dumps(judgement: Judgement) -> str:

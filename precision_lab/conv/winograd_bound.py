@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import torch
 
+from .algorithms import KERNEL, WinogradConv
 from .winograd_matrices import winograd_matrices
 
-#: the output tiles m of F(m×m, 3×3) the lab's legitimate algorithms use (precision_lab.conv.ALGORITHMS)
-WINOGRAD_TILES = (2, 4)
-KERNEL = 3
+
+def winograd_tiles() -> tuple[int, ...]:
+    """The output tiles m of F(m×m, 3×3) of the lab's legitimate algorithms (precision_lab.conv.ALGORITHMS)."""
+    from . import ALGORITHMS
+    return tuple(sorted(a.m for a in ALGORITHMS.values() if isinstance(a, WinogradConv)))
 
 
 def _squares(tiles: torch.Tensor, weight: torch.Tensor, m: int) -> torch.Tensor:
@@ -74,12 +77,12 @@ def _squares(tiles: torch.Tensor, weight: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def winograd_scale(inputs: torch.Tensor, weight: torch.Tensor, u: float) -> torch.Tensor:
-    """u·√(max over WINOGRAD_TILES of Σ_node (c·b)²) at every output of a 3×3, stride-1, padding-1 convolution of
+    """u·√(max over winograd_tiles() of Σ_node (c·b)²) at every output of a 3×3, stride-1, padding-1 convolution of
     `inputs` (N, C, H, W) by `weight` (O, C, 3, 3): (N, O, H, W), in the inputs' dtype (module docstring)."""
     batch, channels, height, width = inputs.shape
     w = weight.detach().to(torch.float64)
     out = None
-    for m in WINOGRAD_TILES:
+    for m in winograd_tiles():
         alpha = m + KERNEL - 1
         tiles_h, tiles_w = -(-height // m), -(-width // m)
         # padding 1 on top and left, whole tiles (+1) on bottom and right: tiles aligned at the output's origin
