@@ -59,6 +59,7 @@ class QuantityVerdict:
     relu_flips: int = 0
     cause: str | None = None  # the named defect hypothesis, when one fits
     evidence: str = ""
+    settled_by: str | None = None  # an inconclusive quantity made roundoff elsewhere: "the float64 build" or the problems
 
 
 def quantity_arrays(result: Result, reference: Trace) -> dict[str, tuple[np.ndarray, np.ndarray]]:

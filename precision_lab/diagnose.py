@@ -152,9 +152,7 @@ class Diagnosis:
             repeats = (f"{self.repeats['runs']} runs, largest run-to-run spread ÷ bound "
                        f"{self.repeats['worst_spread_ratio']:.3g} ({self.repeats['worst_quantity']}), "
                        + ("bitwise reproducible" if self.repeats["bitwise_reproducible"] else "not bitwise reproducible"))
-        from .verdict import SETTLED
-
-        settled = [q.quantity for q in self.main.quantities.values() if q.evidence.startswith(SETTLED)]
+        settled = [q.quantity for q in self.main.quantities.values() if q.settled_by]
         float64_build = None
         if self.float64_build:
             ratios = [(row["ratio"], name) for name, row in self.float64_build["quantities"].items()

@@ -123,30 +123,11 @@ def error_bounds(trace: Trace, precision: str = "float32", lam: float = LAMBDA) 
     if (precision, lam) not in cache:
         with torch.no_grad(), _ieee(trace.device):
             bounds = _error_bounds(trace, precision, lam)
-            loose = _loose(trace, bounds)
-            if loose and sampled.applies(trace, precision):
+            if sampled.applies(trace, precision):
                 _tighten(bounds, sampled.upstream_bounds(trace, precision, lam), formats.unit_roundoff(
-                    accumulation_precision(precision)), loose)
+                    accumulation_precision(precision)), list(bounds))
             cache[(precision, lam)] = bounds
     return cache[(precision, lam)]
-
-
-#: a quantity whose |W|·E bound is above this fraction of its own 2-norm gets the sampled bound: at or below
-#: it, within the bound already excludes a uniformly 10%-short gradient. The sampled draws model direct
-#: summation; Winograd and FFT convolutions spread error norm-wise (conv-winograd-f4x3 reached 4.1× the
-#: sampled bound of the U-Net's mid.weight at 32²), so they are used only where |W|·E cannot certify
-SAMPLED_ABOVE = 0.1
-
-
-def _loose(trace: Trace, bounds: dict[str, QuantityBound]) -> list[str]:
-    """The quantities whose bound exceeds SAMPLED_ABOVE of their own size."""
-    from .compare import bound_fraction
-
-    def value(name):
-        held = trace.loss if name == "loss" else trace.output if name == "output" else trace.grads[name]
-        return np.asarray(held, np.float64)
-
-    return [name for name, q in bounds.items() if bound_fraction(value(name), q.bound) > SAMPLED_ABOVE]
 
 
 def _tighten(bounds: dict[str, QuantityBound], upstream: dict[str, np.ndarray], u: float, names: list[str]) -> None:

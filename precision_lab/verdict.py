@@ -181,7 +181,7 @@ def overall(judgement: Judgement) -> None:
 #: the cosine every certified quantity has (‖error‖ ≤ CERTIFIABLE_FRACTION·‖reference‖ gives cos ≥ √(1 − ¼));
 #: a quantity settled elsewhere must show it on its own problem too
 CERTIFIED_COSINE = math.sqrt(1.0 - CERTIFIABLE_FRACTION ** 2)
-#: how a settled quantity's evidence begins (diagnose.Summary lists them apart from "within the bound")
+#: how a settled quantity's evidence begins (its `settled_by` says by what)
 SETTLED = "not certifiable by its bound on this problem; "
 
 
@@ -206,13 +206,13 @@ def settle_inconclusive(judgement: Judgement, probes: list[tuple[str, Judgement]
             continue
         if q.quantity in vanished:
             row = vanished[q.quantity]
-            q.verdict = "roundoff"
+            q.verdict, q.settled_by = "roundoff", "the float64 build"
             q.evidence = (f"{SETTLED}settled by the float64 build: its error "
                           f"vanishes with the arithmetic (err64 ÷ err32 = {row['ratio']:.2g})")
         elif probes and all(q.quantity in p.quantities and p.quantities[q.quantity].verdict == "roundoff"
                             for _, p in probes) and q.cosine >= CERTIFIED_COSINE:
             fractions = ", ".join(f"{name} {p.quantities[q.quantity].bound_ratio:.2g}" for name, p in probes)
-            q.verdict = "roundoff"
+            q.verdict, q.settled_by = "roundoff", others
             q.evidence = (f"{SETTLED}certified on {others} (error ÷ bound "
                           f"{fractions}), cosine here {q.cosine:.6f}")
         else:
