@@ -353,6 +353,35 @@ def _fingerprint(judgement, pairs, reference: Trace) -> None:
                 else f"error ÷ bound {q.bound_ratio:.3g}"
             q.evidence = (f"{where}, but the error correlates r = {row['correlation']:.3f} with emulated {row['format']} "
                           f"({row['pass'].replace('_', '-')} pass); legitimate float32 orders reach {row['null']:.3f}")
+    _excuse_by_named_format(judgement, pairs, reference, named)
+
+
+def _excuse_by_named_format(judgement, pairs, reference: Trace, named: dict) -> None:
+    """Once the fingerprint names one format on some quantities, a quantity beyond the claimed bound that is too
+    small to carry a fingerprint of its own (a 1×1 head's 24 weights) is `reduced-precision` when that format's
+    bound holds it: a precision mode acts on every element of its pass, as `precision` excuses what the output's
+    format holds. Two formats named leave it a defect (which one would excuse it is not known), and so does a
+    format named in a pass that includes the forward while the output is within the claimed bound (a coarser
+    forward would show there)."""
+    rows = [row for name, row in named.items() if judgement.quantities[name].verdict == "reduced-precision"]
+    shown = {row["format"] for row in rows}
+    output = judgement.quantities.get("output")
+    forward_clean = output is not None and output.verdict == "roundoff"
+    if len(shown) != 1 or (forward_clean and any(row["pass"] in ("all", "forward") for row in rows)):
+        return
+    fmt = shown.pop()
+    witnesses = ", ".join(name for name, row in named.items() if row["format"] == fmt)
+    fmt_bounds = None
+    for name, q in judgement.quantities.items():
+        if q.verdict != "defect" or q.layout_fix or not math.isfinite(q.bound_ratio) or name not in pairs:
+            continue
+        fmt_bounds = fmt_bounds or errmodel.error_bounds(reference, fmt)
+        got, ref = pairs[name]
+        ratio = float(np.max(np.abs(got - ref) / fmt_bounds[name].bound))
+        if ratio <= 1.0:
+            q.verdict, q.format = "reduced-precision", fmt
+            q.evidence = (f"error ÷ bound {q.bound_ratio:.3g}, within the {fmt} bound (error ÷ bound {ratio:.3g}) of "
+                          f"the format the fingerprint names on {witnesses}")
 
 
 # ---------------------------------------------------------------------------------------------

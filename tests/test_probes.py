@@ -188,7 +188,18 @@ def test_fingerprint_names_tf32_claimed_as_float32(probe_problem):
     named = [row for row in judgement.fingerprint if row["conclusive"]]
     assert named and {row["format"] for row in named} == {"tf32"}
     assert all(row["correlation"] > row["null"] + 0.5 for row in named)  # far above the legitimate orders
-    # the fingerprint names it where the error is inside the float32 bound: the error level alone could not
+
+
+def test_fingerprint_names_tf32_inside_a_float32_bound_that_is_not_sampled():
+    """Above sampled.ELEMENT_LIMIT the bound is |W|·E alone and TF32's weight-gradient error hides inside it
+    (at a probe's size the sampled bound is tight enough to show it by level): the fingerprint still names it."""
+    from precision_lab import sampled
+
+    problem = make_problem((130, 130), 4, seed=0)  # 4·130² image elements > 4·128²
+    trace = reference(problem)
+    assert not sampled.applies(trace, "float32")
+    judgement = judge(registry()["tf32-weight-grad-only"].compute(problem), trace, "float32", "tf32", fingerprint=True)
+    assert judgement.verdict == "reduced-precision" and judgement.format == "tf32"
     inside = [q for q in judgement.quantities.values() if q.format == "tf32" and q.bound_ratio <= 1.0]
     assert inside and all("inside the float32 bound" in q.evidence and "legitimate float32 orders reach" in q.evidence
                           for q in inside)

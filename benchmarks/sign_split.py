@@ -1,0 +1,69 @@
+"""How much a sign-split S would tighten each weight-gradient sum's own bound: S ÷ max(S₊, S₋).
+
+    python benchmarks/sign_split.py [--seeds 2] [--networks tf-lenet:128,seed:128,...]
+
+The bound of a sum of n terms in any order is γ̃ₙ(λ)·S, S = Σ|terms| (Higham & Mary 2019): every partial sum
+is at most S. Any partial sum of any order is also at most max(S₊, S₋), the larger of the positive terms' sum
+and the negative terms' magnitude, so that is an order-free bound too, smaller by S ÷ max(S₊, S₋) ∈ [1, 2]:
+near 2 where the terms' signs balance, 1 where they do not. This prints that factor (median and smallest over
+the elements with S > 0) for each conv2d and linear weight gradient of the example networks. The first layers'
+weight gradients are where the own last sum dominates the bound (docs/verdicts.md, "Tightness").
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.nn.grad import conv2d_weight
+
+from precision_lab.model import load_model
+from precision_lab.problem import make_problem
+from precision_lab.reference import reference
+
+NETWORKS = ("seed:128", "examples/models/small-unet.json:64", "examples/models/dilated-resnet.yaml:64",
+            "examples/models/lenet-classifier.json:28", "examples/models/tf-lenet.json:128",
+            "examples/models/wide-classifier.json:128")
+
+
+def split_sums(layer, x: torch.Tensor, g: torch.Tensor, weight_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, S₊) of the weight gradient's terms g·x per element: S₊ = Σ(g₊x₊ + g₋x₋) (the positive terms)."""
+    pos, neg = (lambda t: t.clamp(min=0)), (lambda t: t.clamp(max=0))
+    if layer.op == "linear":
+        x = x.reshape(x.shape[0], -1)
+        return g.abs().T @ x.abs(), pos(g).T @ pos(x) + neg(g).T @ neg(x)
+    attrs = layer.attrs
+    options = dict(stride=attrs.get("stride", 1), padding=attrs.get("padding", 0), dilation=attrs.get("dilation", 1),
+                   groups=attrs.get("groups", 1))
+    return (conv2d_weight(x.abs(), weight_shape, g.abs(), **options),
+            conv2d_weight(pos(x), weight_shape, pos(g), **options) + conv2d_weight(neg(x), weight_shape, neg(g), **options))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--networks", default=",".join(NETWORKS), help="SPEC:SIZE, comma-separated")
+    args = parser.parse_args()
+    print("| network (size) | weight gradient | S ÷ max(S₊, S₋): median | smallest |")
+    print("|---|---|---:|---:|")
+    for item in args.networks.split(","):
+        spec, size = item.rsplit(":", 1)
+        network = load_model(spec)
+        gains: dict[str, list[torch.Tensor]] = {}
+        for seed in range(args.seeds):
+            trace = reference(make_problem(int(size), 2, seed, network=network))
+            for index, layer in enumerate(network.layers):
+                if layer.op not in ("conv2d", "linear"):
+                    continue
+                x = trace.value(layer.inputs[0]).double()
+                g = trace.grad_at(index).double()
+                total, positive = split_sums(layer, x, g, trace.params[f"{layer.name}.weight"].shape)
+                live = total > 0
+                larger = torch.maximum(positive, total - positive)
+                gains.setdefault(layer.name, []).append((total[live] / larger[live]).flatten())
+        for name, parts in gains.items():
+            gain = torch.cat(parts)
+            print(f"| {network.name} ({size}²) | {name} | {gain.median().item():.2f} | {gain.min().item():.2f} |")
+
+
+if __name__ == "__main__":
+    main()
