@@ -36,7 +36,7 @@ def winograd_tiles() -> tuple[int, ...]:
 def _squares(tiles: torch.Tensor, weight: torch.Tensor, m: int) -> torch.Tensor:
     """Σ_node count·(c·b)² of every output (i, j) of F(m, 3) for input tiles (T, C, α, α) and weights (O, C, 3, 3):
     (T, O, m, m), the transforms' actual values where the bound may use them (module docstring)."""
-    a_t, g, b_t = (torch.as_tensor(x, dtype=torch.float64) for x in winograd_matrices(m, KERNEL))
+    a_t, g, b_t = (torch.as_tensor(x, dtype=torch.float64, device=tiles.device) for x in winograd_matrices(m, KERNEL))
     alpha, channels = m + KERNEL - 1, tiles.shape[1]
     a_abs, g_abs, b_abs = a_t.abs(), g.abs(), b_t.abs()
     aa = torch.einsum("ik,jl->ijkl", a_abs, a_abs)  # |∂y_ij/∂M_kl|
