@@ -363,21 +363,18 @@ def _excuse_by_named_format(judgement, pairs, reference: Trace, named: dict) -> 
     format holds. Two formats named leave it a defect (which one would excuse it is not known), and so does a
     format named in a pass that includes the forward while the output is within the claimed bound (a coarser
     forward would show there)."""
-    rows = [row for name, row in named.items() if judgement.quantities[name].verdict == "reduced-precision"]
-    shown = {row["format"] for row in rows}
+    rows = {name: row for name, row in named.items() if judgement.quantities[name].verdict == "reduced-precision"}
+    shown = {row["format"] for row in rows.values()}
     output = judgement.quantities.get("output")
     forward_clean = output is not None and output.verdict == "roundoff"
-    if len(shown) != 1 or (forward_clean and any(row["pass"] in ("all", "forward") for row in rows)):
+    if len(shown) != 1 or (forward_clean and any(row["pass"] in ("all", "forward") for row in rows.values())):
         return
-    fmt = shown.pop()
-    witnesses = ", ".join(name for name, row in named.items() if row["format"] == fmt)
-    fmt_bounds = None
+    fmt, witnesses = shown.pop(), ", ".join(rows)
     for name, q in judgement.quantities.items():
         if q.verdict != "defect" or q.layout_fix or not math.isfinite(q.bound_ratio) or name not in pairs:
             continue
-        fmt_bounds = fmt_bounds or errmodel.error_bounds(reference, fmt)
         got, ref = pairs[name]
-        ratio = float(np.max(np.abs(got - ref) / fmt_bounds[name].bound))
+        ratio = float(np.max(np.abs(got - ref) / errmodel.error_bounds(reference, fmt)[name].bound))  # cached per trace
         if ratio <= 1.0:
             q.verdict, q.format = "reduced-precision", fmt
             q.evidence = (f"error ÷ bound {q.bound_ratio:.3g}, within the {fmt} bound (error ÷ bound {ratio:.3g}) of "

@@ -125,18 +125,17 @@ def error_bounds(trace: Trace, precision: str = "float32", lam: float = LAMBDA) 
             bounds = _error_bounds(trace, precision, lam)
             if sampled.applies(trace, precision):
                 _tighten(bounds, sampled.upstream_bounds(trace, precision, lam), formats.unit_roundoff(
-                    accumulation_precision(precision)), list(bounds))
+                    accumulation_precision(precision)))
             cache[(precision, lam)] = bounds
     return cache[(precision, lam)]
 
 
-def _tighten(bounds: dict[str, QuantityBound], upstream: dict[str, np.ndarray], u: float, names: list[str]) -> None:
-    """The propagated part of each of `names` replaced by the sampled one (precision_lab.sampled) where smaller.
+def _tighten(bounds: dict[str, QuantityBound], upstream: dict[str, np.ndarray], u: float) -> None:
+    """Every quantity's propagated part replaced by the sampled one (precision_lab.sampled) where smaller.
 
     The output's sampled deviations include its own last rounding (every layer's output is drawn), so its
     accumulation is not added again; a gradient's and the loss's own rounding stay errmodel's γ̃ₙ·S."""
-    for name in names:
-        q = bounds[name]
+    for name, q in bounds.items():
         up = upstream[name].reshape(q.bound.shape)
         own = q.input_rounding if name == "output" else q.accumulation + q.input_rounding
         floor = max(u * float(np.max(q.abs_sum)), np.finfo(np.float32).tiny)
