@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.nn.grad import conv2d_weight
 
 from precision_lab.model import load_model
+from precision_lab.ops import Kernels
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference
 
@@ -27,15 +27,14 @@ NETWORKS = ("seed:128", "examples/models/small-unet.json:64", "examples/models/d
 
 def split_sums(layer, x: torch.Tensor, g: torch.Tensor, weight_shape) -> tuple[torch.Tensor, torch.Tensor]:
     """(S, S₊) of the weight gradient's terms g·x per element: S₊ = Σ(g₊x₊ + g₋x₋) (the positive terms)."""
+    kernels = Kernels()  # PyTorch's native kernels, as the error model reads them
+
+    def weight_grad(a, b):
+        if layer.op == "linear":
+            return kernels.linear_weight_grad(a.reshape(a.shape[0], -1), b)
+        return kernels.conv_weight_grad(a, b, layer.attrs, weight_shape)
     pos, neg = (lambda t: t.clamp(min=0)), (lambda t: t.clamp(max=0))
-    if layer.op == "linear":
-        x = x.reshape(x.shape[0], -1)
-        return g.abs().T @ x.abs(), pos(g).T @ pos(x) + neg(g).T @ neg(x)
-    attrs = layer.attrs
-    options = dict(stride=attrs.get("stride", 1), padding=attrs.get("padding", 0), dilation=attrs.get("dilation", 1),
-                   groups=attrs.get("groups", 1))
-    return (conv2d_weight(x.abs(), weight_shape, g.abs(), **options),
-            conv2d_weight(pos(x), weight_shape, pos(g), **options) + conv2d_weight(neg(x), weight_shape, neg(g), **options))
+    return weight_grad(x.abs(), g.abs()), weight_grad(pos(x), pos(g)) + weight_grad(neg(x), neg(g))
 
 
 def main() -> None:
