@@ -64,14 +64,23 @@ bench: setup ## print the benchmark ratios (float64 reference, cost of a diagnos
 
 # what a GPU node with a CUDA torch but no network typically lacks (scripts/gpu-run.sh installs them)
 WHEELS         ?= papermill nbconvert nbformat ipykernel mrcfile pyyaml tqdm psutil pytest mpmath<1.4 dask distributed pyarrow
+# distributions the node already has: not kept, so its own builds stay (a CUDA torch always brings numpy;
+# a fuller image can name more, e.g. WHEELS_PRESENT="numpy pyarrow pandas" to keep .whl/ small)
+WHEELS_PRESENT ?= numpy
 WHEELS_PYTHON  ?= 3.12
 WHEELS_PLATFORM ?= manylinux2014_x86_64
 
 wheels: ## download the wheels a GPU node without network lacks into .whl/ (then: bash scripts/gpu-run.sh test)
-	mkdir -p .whl
+	rm -rf .whl && mkdir -p .whl
 	$(if $(wildcard $(PYTHON)),$(PYTHON),python3) -m pip download -q --only-binary=:all: --python-version $(WHEELS_PYTHON) --implementation cp \
 	  --platform $(WHEELS_PLATFORM) --platform manylinux_2_28_x86_64 --platform linux_x86_64 -d .whl $(foreach w,$(WHEELS),'$(w)')
+	@for name in $(WHEELS_PRESENT); do \
+	  for f in .whl/*.whl; do \
+	    [ "$$(basename "$$f" | cut -d- -f1 | tr 'A-Z-' 'a-z_')" = "$$(echo $$name | tr 'A-Z-' 'a-z_')" ] && rm -f "$$f"; \
+	  done; \
+	done; true
 	printf '%s\n' $(foreach w,$(WHEELS),'$(w)') > .whl/requirements.txt
+	@echo "$$(ls .whl/*.whl | wc -l) wheels, $$(du -sh .whl | cut -f1) in .whl/ (the node's own: $(WHEELS_PRESENT))"
 	@echo "now copy the project with .whl/ to the node and run: bash scripts/gpu-run.sh test (or reports)"
 
 clean: ## remove the virtual environment and build debris (keeps data/runs and reports)

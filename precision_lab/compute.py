@@ -148,6 +148,15 @@ def forward_backward(problem: Problem, dtype: str = "float32", device: str | tor
     backward is past it (the reference's peak memory at 1024²). With `intermediates`, named
     layers' outputs and output gradients go into `Result.intermediates`.
     """
+    from .conv.backends import native_flags
+
+    # float32 means IEEE float32: cuDNN's default TF32 would make every float32 walk on a GPU a tf32 one
+    # (a kernel that asks for TF32, like the native-tf32 backend, sets it around its own call)
+    with native_flags(fp32_precision="ieee"):
+        return _forward_backward(problem, dtype, device, kernels, keep_trace, rules, intermediates)
+
+
+def _forward_backward(problem, dtype, device, kernels, keep_trace, rules, intermediates):
     network = problem.network
     kernels = kernels or Kernels()
     rules = rules or {}

@@ -183,10 +183,11 @@ def deviations(trace, precision: str, lam: float, samples: int = SAMPLES):
 
     network, problem = trace.network, trace.problem
     u = formats.unit_roundoff(roundoff.accumulation_precision(precision))
-    generator = torch.Generator(device=trace.device).manual_seed(1_000_003 * (problem.seed + 1))
+    # drawn on the CPU and moved: a CUDA generator's stream differs, and the bounds must not depend on the device
+    generator = torch.Generator(device="cpu").manual_seed(1_000_003 * (problem.seed + 1))
 
     def draw(like: torch.Tensor) -> torch.Tensor:
-        return torch.randn(like.shape, generator=generator, device=like.device, dtype=like.dtype)
+        return torch.randn(like.shape, generator=generator, device="cpu", dtype=like.dtype).to(like.device)
 
     rules = {layer.index: SampledOp(OPS[layer.op], draw, u, lam) for layer in network.layers}
     rules["loss"] = SampledLoss(LOSSES[network.loss], draw, u)

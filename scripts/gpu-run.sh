@@ -28,7 +28,8 @@ if [ ! -f "$site/.installed" ]; then
     echo "scripts/gpu-run.sh: no wheels in $wheels: run 'make wheels' on a machine with network and copy .whl/ here" >&2
     exit 2
   fi
-  if ! "$python" -m pip install -q --no-index --find-links "$wheels" --target "$site" $(cat "$wheels/requirements.txt"); then
+  # the set was resolved by `make wheels`, less what the node has (WHEELS_PRESENT): install it as it is
+  if ! "$python" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl; then
     echo "scripts/gpu-run.sh: the wheels in $wheels do not install on $("$python" --version): fetch them for this Python (make wheels WHEELS_PYTHON=X.Y)" >&2
     exit 2
   fi

@@ -172,3 +172,38 @@ def test_the_notebooks_experiments_make_no_tensor_off_the_device(device, implici
     assert set(algorithms.sweep([16], ["direct", "fft"], device)["verdict"]) == {"roundoff"}
     _, judgements = motivating.replay(make_problem(24, 2, 0), device)
     assert any(j.verdict == "layout" for j in judgements.values())
+
+
+def test_float32_means_ieee_float32_whatever_the_global_flags():
+    """cuDNN's default lets float32 convolutions run in TF32: on an H200 every built-in candidate but `native` ran
+    TF32 (the right Fortran replay read `reduced-precision (tf32)`, split-k too), and so did the fingerprint's
+    float32 emulation. A candidate and every float32 walk pin IEEE; only a run that asks for TF32 gets it."""
+    from precision_lab.candidates import Candidate, get_builtin
+    from precision_lab.compute import forward_backward
+    from precision_lab.conv.backends import current_flags, native_flags
+    from precision_lab.ops import LOSSES
+
+    def precision_now():
+        flags = current_flags()
+        return flags.get("cudnn.conv.fp32_precision", "tf32" if flags.get("cudnn.allow_tf32") else "ieee")
+
+    seen = {}
+
+    class RecordingLoss:
+        def forward_backward(self, output, target):
+            seen["walk"] = precision_now()
+            return LOSSES["mse"].forward_backward(output, target)
+
+    def run(problem, precision, device):
+        seen["candidate"] = precision_now()
+        return forward_backward(problem, precision, device)
+
+    problem = make_problem(SIZE, 2, 0)
+    with native_flags(fp32_precision="tf32"):  # PyTorch's default for cuDNN convolutions
+        Candidate("recording", "records the float32 precision it runs in", run).compute(problem)
+        forward_backward(problem, "float32", "cpu", rules={"loss": RecordingLoss()})
+        assert precision_now() == "tf32"  # restored for the caller
+        native_tf32 = get_builtin("native-tf32").compute(problem) if torch.cuda.is_available() else None
+    assert seen == {"candidate": "ieee", "walk": "ieee"}
+    if native_tf32 is not None:
+        assert native_tf32.meta["fp32_precision"] == "tf32"

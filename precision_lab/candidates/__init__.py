@@ -63,7 +63,11 @@ class Candidate:
                                  f"({self.network.summary()}), but the problem is {problem.network.name!r}: "
                                  f"run it on its own model (the `model` parameter or --model)")
         device = torch.device(device)
-        result = self.run(problem, precision, device)
+        from ..conv.backends import native_flags
+
+        # a candidate computes what it claims: TF32 on a GPU only where its own run asks for it (native-tf32)
+        with native_flags(fp32_precision="ieee"):
+            result = self.run(problem, precision, device)
         result.meta.setdefault("candidate", self.name)
         result.meta.setdefault("claimed_precision", self.claimed_precision if precision == "float32" else "float64")
         return result

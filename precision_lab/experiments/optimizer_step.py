@@ -61,7 +61,8 @@ def _optimizer_step(params: dict[str, np.ndarray], grads: dict[str, np.ndarray],
     for name, tensor in tensors.items():
         tensor.grad = torch.tensor(np.asarray(grads[name]), dtype=dtype, device="cpu")
     opt_class = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
-    opt_class(list(tensors.values()), lr=lr).step()
+    with torch.device("cpu"):  # the optimizer's own state (Adam's step count) beside the parameters, whatever the default
+        opt_class(list(tensors.values()), lr=lr).step()
     return {name: tensor.detach().numpy() for name, tensor in tensors.items()}
 
 
