@@ -79,7 +79,6 @@ wheels: ## download the wheels a GPU node without network lacks into .whl/ (then
 	    [ "$$(basename "$$f" | cut -d- -f1 | tr 'A-Z-' 'a-z_')" = "$$(echo $$name | tr 'A-Z-' 'a-z_')" ] && rm -f "$$f"; \
 	  done; \
 	done; true
-	printf '%s\n' $(foreach w,$(WHEELS),'$(w)') > .whl/requirements.txt
 	@echo "$$(ls .whl/*.whl | wc -l) wheels, $$(du -sh .whl | cut -f1) in .whl/ (the node's own: $(WHEELS_PRESENT))"
 	@echo "now copy the project with .whl/ to the node and run: bash scripts/gpu-run.sh test (or reports)"
 
