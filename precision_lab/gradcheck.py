@@ -130,6 +130,17 @@ SEGMENT_MIN = 1e-3
 #: column j shrinks 4^(j+1)× per halving. The window, as a fraction of that factor, admits the next term's pull
 #: at coarse panels
 SMOOTH_RATIO = (0.75, 1.4)
+#: a group's scaling segment moves each of its tensors between (1 − h) and (1 + h) of itself, h ≤ GROUP_REACH: any
+#: h < 1 keeps the signs of the pre-activations it scales; 0.75 leaves them at ≥ 1/4 of themselves, and the loss's
+#: curvature along it to the Romberg test at 8 panels
+GROUP_REACH = 0.75
+#: panels of a scaling segment, whatever the tensors' own segments have: 9 nodes leave its own σ_f (the residual of a
+#: cubic through them) 5 degrees of freedom. A cross-entropy along 1 ± 0.05 of its logits is a cubic to its rounding
+#: (measured on a ReLU MLP: residual 3.9e-9 against its rounding 1.5e-9; a quadratic leaves 2.9e-7)
+GROUP_PANELS, GROUP_FIT_DEGREE = 8, 3
+#: a group's reach is set by its smallest part ∫g_m·w_m above this fraction of its largest: a part below 1% would need
+#: the group resolved to < 1e-6 of ∫|f| to reach SETTLE_RTOL, below the loss difference's rounding at any reach
+GROUP_PART_FLOOR = 1e-2
 #: default number of program calls: ≤ 60 for ≤ 10 tensors, 4 more per tensor beyond
 BUDGET_BASE, BUDGET_PER_TENSOR = 20, 4
 
@@ -918,9 +929,12 @@ class TensorVerdict:
     located: list[Located] = field(default_factory=list)
     settle: str = ""
     segment: "Segment | None" = None  # the float32-only check's segment
+    shares: list["Share"] = field(default_factory=list)  # its parts of group scaling segments (float32-only)
 
     def summary(self) -> dict:
-        evidence = [x for x in [self.segment, *self.directions] if x is not None and x.deciding is not None]
+        evidence = [x for x in [self.segment, *self.shares, *self.directions] if x is not None and x.deciding is not None]
+        if self.verdict != "defect":  # a roundoff or open tensor states its best agreement, not a group another member failed
+            evidence = [x for x in evidence if x.outcome == "agree"] or evidence
         deciding = min(evidence, key=lambda x: x.resolution if x.outcome == "agree" else -math.inf, default=None)
         return {"verdict": self.verdict, "max_abs_err": self.max_abs_err, "bound_ratio": self.bound_ratio,
                 "layout_fix": None, "shape": list(self.shape),
@@ -930,6 +944,7 @@ class TensorVerdict:
                 "what_would_settle_it": self.settle or None,
                 "directions": [d.summary() for d in self.directions],
                 "segment": self.segment.summary() if self.segment else None,
+                "scaling_segments": [x.summary() for x in self.shares],
                 "build_comparison": self.comparison.summary() if self.comparison else None}
 
 
@@ -1072,6 +1087,7 @@ class Segment:
     quadrature: float = math.nan  # the quadrature part of the bound (smooth rules)
     scale_floor: float = 0.0  # the model's RMS gradient element × the segment's length
     centre: np.ndarray | None = None  # the tensor's value at t = 0 (w, or w on a coarser grid: see segment_step)
+    parts: dict[str, float] = field(default_factory=dict)  # a group segment's |∫ g_m·Δ_m| per member (check_groups)
 
     @property
     def resolution(self) -> float:
@@ -1245,7 +1261,50 @@ class Segment:
                 "loss_change": float(self.losses[-1] - self.losses[0]), "integral": self.integral,
                 "residual": self.residual, "bound": self.bound, "relative_error": self.relative_error,
                 "resolution": self.resolution, "ratio": self.ratio, "segment_length": 2 * self.norm(),
-                "nodes": len(self.nodes), "statistic": self.statistic}
+                "nodes": len(self.nodes), "statistic": self.statistic,
+                **({"tensors": list(self.displacement), "parts": dict(self.parts)} if self.parts else {})}
+
+
+@dataclass
+class Share:
+    """One tensor's part of a group segment (`check_groups`): the group's bound on ΔL − ∫f against that tensor's own
+    ∫ g_m·Δ_m. A wrong gradient of the tensor along its own values moves the residual by its error times that part,
+    so the part's resolution is bound ÷ part, with the other members' parts taken as right (an error of one member
+    hidden by an opposite error of another is the one thing it cannot see)."""
+
+    name: str
+    segment: Segment
+
+    @property
+    def part(self) -> float:
+        return self.segment.parts.get(self.name, 0.0)
+
+    @property
+    def outcome(self) -> str:
+        return self.segment.outcome
+
+    @property
+    def resolution(self) -> float:
+        return self.segment.bound / self.part if self.part > 0 else math.inf
+
+    @property
+    def relative_error(self) -> float:
+        return self.segment.residual / self.part if self.part > 0 else math.nan
+
+    @property
+    def deciding(self):
+        return self if self.outcome in ("agree", "disagree") else None
+
+    def evidence(self) -> str:
+        others = [n for n in self.segment.displacement if n != self.name]
+        return (f"{self.name}'s part of the scaling segment with {', '.join(others) or 'nothing else'}: "
+                f"∫g·Δ = {self.part:.3g} of ∫|f| = {self.segment.scale:.3g}, so its bound {self.segment.bound:.3g} "
+                f"resolves {self.name}'s gradient along its own values to {self.resolution:.2g} relative "
+                f"(the other parts taken as right): {self.segment.evidence()}")
+
+    def summary(self) -> dict:
+        return {"tensor": self.name, "part": self.part, "outcome": self.outcome, "resolution": self.resolution,
+                "relative_error": self.relative_error, "group": self.segment.summary()}
 
 
 def segment_panels(budget_left: int, tensors: int) -> int:
@@ -1310,14 +1369,149 @@ def segment_length(loss_sigma: float, critical: float, slope: float) -> float:
     return critical * math.sqrt(2.0) * loss_sigma / (2.0 * slope * ROUNDING_SHARE * SETTLE_RTOL) if slope > 0 else math.inf
 
 
+def scaling_step(value: np.ndarray, reach: float, storage: np.dtype,
+                 granularity: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """(centre, step) with step = reach·centre up to one grid spacing per element, centre + m·step exact in `storage`
+    for every multiple m of 1/granularity in [−1, 1]: the scaling c → (1 + m·reach)·c on the float32 grid. The
+    grid is `granularity` ulps at |w|·(1 + GROUP_REACH) (1% above, so no point crosses into the next binade), the
+    same for every reach ≤ GROUP_REACH: every scaling segment of a tensor goes through the same centre, w rounded
+    to that grid (≤ 16 ulps of w away), and they share its call. Unlike `on_grid`, no element is dropped: a weight
+    left unscaled moves its units' pre-activations off the scaling and puts kinks back (measured: 2 of
+    conv.weight's 36 elements dropped gave the ReLU example ~10² kinks)."""
+    spacing = np.spacing((np.abs(value) * (1.0 + GROUP_REACH) * 1.01).astype(storage)).astype(np.float64) * granularity
+    centre = np.round(value / spacing) * spacing
+    step = np.round(reach * centre / spacing) * spacing
+    return centre, step
+
+
+def homogeneous_groups(shapes: dict[str, tuple[int, ...]], name: str) -> list[tuple[str, ...]]:
+    """Tensors that, scaled together by (1 + t), scale a ReLU network's pre-activations by (1 + t) from `name`'s layer
+    on, so that no ReLU, max-pool or leaky ReLU changes its branch along the segment: the layer's weight W (≥ 2-D),
+    its bias (the 1-D tensor right after W with as many elements as W has outputs, first or last axis: OIHW or HWIO)
+    and every later 1-D tensor (the later biases, a normalisation's scale and shift), then the layer alone. A 1-D
+    `name` joins the layer of the last weight before it with that many outputs. The program's tensors are in its
+    own order; a group that is not homogeneous for the program (a clamp, a PReLU slope, a bias that is not
+    one) is found out by its segment's convergence (`Segment.evaluate`), never assumed."""
+    order = list(shapes)
+    i = order.index(name)
+    if not shapes[name]:  # a scalar is no layer's
+        return []
+    if len(shapes[name]) == 1:
+        size = shapes[name][0]
+        weights = [j for j in range(i - 1, -1, -1) if len(shapes[order[j]]) >= 2 and size in
+                   (shapes[order[j]][0], shapes[order[j]][-1])]
+        if not weights:
+            return []
+        i = weights[0]
+    weight, outputs = order[i], (shapes[order[i]][0], shapes[order[i]][-1])
+    rest = order[i + 1:]
+    layer = [weight] + ([rest[0]] if rest and len(shapes[rest[0]]) == 1 and shapes[rest[0]][0] in outputs else [])
+    later = [n for n in order[i + len(layer):] if len(shapes[n]) == 1]
+    if name not in layer:  # a 1-D tensor after the layer's bias: it belongs to the downstream part only
+        return [tuple(layer + later)] if name in later else []
+    return [tuple(layer + later), tuple(layer)] if later else [tuple(layer)]
+
+
+def check_groups(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation, noise: Noise,
+                 segments: dict[str, Segment], panels: int, storage: np.dtype) -> list[Segment]:
+    """Scaling segments for the tensors whose own segment crossed kinks (float32-only).
+
+    Along w_G → (1 + t)·w_G for a group G from `homogeneous_groups`, a network of ReLUs, max-pools and linear
+    layers scales every pre-activation from G's layer on by (1 + t): no unit changes sign and no max-pool its
+    winner, so the loss has no kink along it (positive homogeneity) and the segment identity resolves g·Δ to the
+    loss difference's rounding, ~u·cond, instead of the ~1e-3 – 1e-2 that thousands of kinks leave. Its reach h is
+    the one at which the rounding bound takes ROUNDING_SHARE of SETTLE_RTOL of the smallest member's ∫g·w (≤
+    GROUP_REACH). Each member's part ∫ g_m·Δ_m is kept (`Share`). A group that is not homogeneous for this
+    program shows kinks in the ratio test, and the next candidate (the layer alone) is tried while calls last.
+    A group that disagrees cannot say which member is wrong: each of its weights is then scaled alone (its units
+    cross zero only where the bias outweighs the rest of the pre-activation: few kinks), with the calls left."""
+    critical = lambda dof: t_critical(ALPHA, dof)
+    shapes = {name: value.shape for name, value in base.items()}
+    total = sum(v.size for v in base.values())
+    typical = math.sqrt(sum(float(np.sum(g * g)) for g in at_base.grads.values()) / max(total, 1))
+    open_names = sorted((n for n, s in segments.items() if s.outcome == "agree" and s.resolution > SETTLE_RTOL),
+                        key=lambda n: -segments[n].resolution)
+    # every scaling segment goes through one point: each tensor any of them may move, at its centre
+    scaled = {m for n in open_names for g in homogeneous_groups(shapes, n) for m in g}
+    middle = {**base, **{m: scaling_step(base[m], 0.0, storage)[0] for m in scaled}}
+    at_middle: list[Evaluation] = [at_base] if all(np.array_equal(middle[m], base[m]) for m in scaled) else []
+
+    def scale(group: tuple[str, ...], panels: int) -> Segment:
+        parts = {m: abs(float(np.sum(at_base.grads[m] * base[m]))) for m in group}
+        largest = max(parts.values())
+        smallest = min(v for v in parts.values() if v >= GROUP_PART_FLOOR * largest)
+        reach = min(critical(noise.dof) * math.sqrt(2.0) * noise.loss_sigma
+                    / (2.0 * smallest * ROUNDING_SHARE * SETTLE_RTOL), GROUP_REACH)
+        nodes = np.linspace(-1.0, 1.0, panels + 1)
+        displacement = {m: scaling_step(base[m], reach, storage)[1] for m in group}
+        if not at_middle:
+            at_middle.append(calls("claimed", middle))
+        answers = [at_middle[0] if t == 0.0 else calls("claimed", _point(middle, displacement, float(t))) for t in nodes]
+        losses = np.array([a.loss for a in answers])
+        growth = float(np.max(np.abs(losses[[0, -1]]))) / abs(at_base.loss) if at_base.loss else 1.0
+        step_norm = math.sqrt(sum(float(np.sum(d * d)) for d in displacement.values()))
+        slopes = np.array([_dot(a.grads, displacement) for a in answers])
+        # σ_f from the segment's own nodes (8 panels or more): the residual of a cubic through them (n − 4 dof),
+        # which is rounding plus whatever of f is not cubic, so never below the rounding. The noise line's σ_g
+        # can be inflated ~10³× by one kink it crossed (measured: 1 seed in 4 on the ReLU example, 10⁴× on a
+        # PyTorch CNN). Scaled by the ratio of Student t critical values, so that the bound pays for its fewer
+        # degrees of freedom. On fewer nodes (a 4-panel attribution segment) the noise line's σ_g
+        dof = len(nodes) - GROUP_FIT_DEGREE - 1
+        if len(nodes) >= 9:
+            fit = np.polynomial.polynomial.polyfit(nodes, slopes, GROUP_FIT_DEGREE)
+            slope_sigma = math.sqrt(float(np.sum((slopes - np.polynomial.polynomial.polyval(nodes, fit)) ** 2)) / dof)
+            slope_sigma = (max(slope_sigma, formats.unit_roundoff(noise.precision) * float(np.max(np.abs(slopes))))
+                           * critical(dof) / critical(noise.dof))
+        else:
+            slope_sigma = noise.direction_sigma(displacement)
+        what = (f"{', '.join(group)} scaled together" if len(group) > 1 else f"{group[0]} scaled alone")
+        segment = Segment(f"{what} by 1 ± {reach:.2g}", displacement, nodes, losses, slopes,
+                          noise.loss_sigma * max(1.0, growth), slope_sigma, noise.dof,
+                          fraction=reach, scale_floor=typical * 2 * step_norm, centre=None)
+        width = float(nodes[1] - nodes[0])
+        for m in group:
+            part = np.array([float(np.sum(a.grads[m] * displacement[m])) for a in answers])
+            segment.parts[m] = abs(width * (float(np.sum(part)) - (part[0] + part[-1]) / 2))
+        segment.evaluate(critical)
+        return segment
+
+    def kinked(segment: Segment) -> bool:
+        return segment.rule in ("panels", "jump-free panels")
+
+    done: list[Segment] = []
+    tried: set[tuple[str, ...]] = set()
+    for name in open_names:
+        if any(name in s.displacement and not kinked(s) for s in done):
+            continue
+        for group in homogeneous_groups(shapes, name):
+            if group in tried or calls.left < panels + (0 if at_middle else 1):
+                continue
+            tried.add(group)
+            if not any(np.any(at_base.grads[m] * base[m]) for m in group):
+                continue
+            done.append(scale(group, panels))
+            if not kinked(done[-1]):
+                break
+    for group in [s for s in done if s.outcome == "disagree" and sum(p > 0 for p in s.parts.values()) > 1]:
+        for m in (m for m in group.parts if len(shapes[m]) >= 2 and (m,) not in tried):
+            tried.add((m,))
+            # 8 panels at least: on 4, the kinks leave the panels' fit 3 dof (measured: 5e-3 on the ReLU example)
+            few = next((k for k in (2 * panels, panels) if calls.left >= k), 0)
+            if few and np.any(at_base.grads[m] * base[m]):
+                done.append(scale((m,), few))
+    return done
+
+
 def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation, noise: Noise,
-                   scales: dict[str, float], rng: np.random.Generator, panels: int, storage: np.dtype) -> dict[str, Segment]:
+                   scales: dict[str, float], rng: np.random.Generator, panels: int, storage: np.dtype,
+                   between: Callable[[dict[str, Segment]], set[str]] | None = None) -> dict[str, Segment]:
     """One segment per tensor (the float32-only check): `panels` uniform panels, nodes at t = j/(panels/2), its
     length chosen from the program's own numbers (`segment_length`: the measured σ_L and g·d at the base), above
     SEGMENT_MIN·‖w‖ and below SEGMENT_MAX × the larger of ‖w‖ and the model's own scale. Then, while calls last, the least resolved segment is refined where its bound
     comes from: rounding → a longer segment (by what the bound asks, ≤ SEGMENT_STRETCH×); quadrature → twice the
     panels, then a segment SEGMENT_SHRINK× shorter (Simpson's error falls with the 4th power of the length, the
-    rounding's share grows with its 1st)."""
+    rounding's share grows with its 1st). `between` runs after the first segments and before the refinement, and
+    returns the tensors it settled (the refinement leaves them alone)."""
     critical = lambda dof: t_critical(ALPHA, dof)
     total = sum(v.size for v in base.values())
     typical = math.sqrt(sum(float(np.sum(g * g)) for g in at_base.grads.values()) / max(total, 1))
@@ -1360,10 +1554,11 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
 
     # every tensor's first segment before any refinement: the calls for the ones still to run are reserved
     segments = {name: run(name, first_length(name), panels * (len(base) - 1 - i)) for i, name in enumerate(base)}
+    settled = between(segments) if between is not None else set()
     tried = set()
     while True:
-        open_ones = [s for s in segments.values() if s.outcome == "agree" and s.resolution > SETTLE_RTOL
-                     and id(s) not in tried and panels <= calls.left]
+        open_ones = [s for name, s in segments.items() if s.outcome == "agree" and s.resolution > SETTLE_RTOL
+                     and id(s) not in tried and panels <= calls.left and name not in settled]
         if not open_ones:
             return segments
         segment = max(open_ones, key=lambda s: s.resolution)
@@ -1557,7 +1752,14 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
     try:
         if not panels:
             raise BudgetSpent
-        segments = check_segments(calls, base, at_base, noise["claimed"], scales, rng, panels, storage)
+        groups: list[Segment] = []
+
+        def scale_groups(first: dict[str, Segment]) -> set[str]:
+            # scaling segments before any refinement: the tensors behind kinks need them most
+            groups.extend(check_groups(calls, base, at_base, noise["claimed"], first, GROUP_PANELS, storage))
+            return {m for g in groups if g.outcome == "agree" for m in g.parts if Share(m, g).resolution <= SETTLE_RTOL}
+        segments = check_segments(calls, base, at_base, noise["claimed"], scales, rng, panels, storage,
+                                  between=scale_groups)
     except BudgetSpent:
         words = f"{calls.left} calls left: too few for a segment of 4 panels per tensor (raise --max-calls)"
         tensors = {name: TensorVerdict(name, value.shape, "inconclusive", settle=words) for name, value in base.items()}
@@ -1570,8 +1772,12 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
     checker = Checker(calls, "claimed", base, at_base, noise["claimed"], noise["claimed"].loss_sigma)
     step = formats.unit_roundoff(claimed) ** STEP_EXPONENT
     multipliers = [m * LEVEL_FACTOR ** -i for i in range(MAX_LEVELS) for m in (1, -1)]
-    kinked = sorted((s for s in segments.values() if s.rule == "panels" and s.outcome == "agree"
-                     and s.resolution > SETTLE_RTOL), key=lambda s: -s.resolution)
+    shares: dict[str, list[Share]] = {name: [Share(name, g) for g in groups if g.parts.get(name, 0.0) > 0]
+                                      for name in base}
+    kinked = sorted((s for name, s in segments.items() if s.rule == "panels" and s.outcome == "agree"
+                     and s.resolution > SETTLE_RTOL
+                     and not any(x.outcome == "agree" and x.resolution <= SETTLE_RTOL for x in shares[name])),
+                    key=lambda s: -s.resolution)
     try:
         for segment in kinked:
             name = next(iter(segment.displacement))
@@ -1584,20 +1790,27 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
                 checker.advance(direction)
     finally:
         calls.close()
+    named = _group_suspects(groups, segments, shares)
     tensors = {}
     for name, segment in segments.items():
         tensor = TensorVerdict(name, base[name].shape, segment=segment, evidence=[segment.evidence()],
-                               directions=directions[name])
-        tensor.evidence += [d.evidence() for d in directions[name]]
+                               directions=directions[name], shares=shares[name])
+        tensor.evidence += [d.evidence() for d in directions[name]] + [x.evidence() for x in shares[name]]
         tensor.max_abs_err = abs(segment.residual) / (2 * segment.norm()) if segment.norm() > 0 else math.nan
         tensor.bound_ratio = abs(segment.residual) / segment.bound if segment.bound > 0 else math.inf
         short = [d for d in directions[name] if d.outcome in ("agree", "disagree")]
-        resolution = min([segment.resolution] + [d.resolution for d in short if d.outcome == "agree"])
-        if segment.outcome == "disagree" or any(d.outcome == "disagree" for d in short):
+        resolution = min([segment.resolution] + [d.resolution for d in short if d.outcome == "agree"]
+                         + [x.resolution for x in shares[name] if x.outcome == "agree"])
+        if segment.outcome == "disagree" or any(d.outcome == "disagree" for d in short) or name in named:
             tensor.verdict = "defect"
             for d in (d for d in short if d.outcome == "disagree"):
                 tensor.max_abs_err = abs(d.deciding.error) / d.norm()
                 tensor.bound_ratio = abs(d.deciding.error) / d.deciding.bound if d.deciding.bound > 0 else math.inf
+            for group, words in named.get(name, []):
+                reach = float(np.linalg.norm(group.displacement[name]))
+                tensor.max_abs_err = abs(group.residual) / (2 * reach) if reach > 0 else math.nan
+                tensor.bound_ratio = abs(group.residual) / group.bound if group.bound > 0 else math.inf
+                tensor.evidence.append(words)
         elif resolution <= SETTLE_RTOL:
             tensor.verdict = "roundoff"
         else:
@@ -1610,6 +1823,44 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
     verdict = "defect" if "defect" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "roundoff")
     return GradCheck(oracle.name, claimed, False, verdict, tensors, [], None, noise, dict(calls.counts), budget,
                      time.perf_counter() - started, calls.program_s, seed, notes)
+
+
+def _group_suspects(groups: list[Segment], segments: dict[str, Segment],
+                    shares: dict[str, list[Share]]) -> dict[str, list[tuple[Segment, str]]]:
+    """The tensors a disagreeing scaling segment names. Its residual could come from any member m, whose gradient
+    would then be wrong along its own values by |residual| ÷ m's part; m is cleared when its own segment, or another
+    scaling segment, agrees at a finer resolution than that (an error of that size, as a scale error, would have
+    shown there). The others are named; when every member is cleared, all are (the segment's disagreement stands)."""
+    named: dict[str, list[tuple[Segment, str]]] = {}
+    suspected: list[tuple[Segment, list[str], dict[str, float], dict[str, str]]] = []
+    for group in (g for g in groups if g.outcome == "disagree"):
+        need = {m: abs(group.residual) / part for m, part in group.parts.items() if part > 0}
+
+        def cleared(m: str) -> str:
+            own = [segments[m]] + [x for x in shares[m] if x.segment is not group]
+            evidence = [x for x in own if x.outcome == "agree" and x.resolution < need[m]]
+            return (f"{m} would need {need[m]:.2g} relative along its values, and its own evidence agrees to "
+                    f"{min(x.resolution for x in evidence):.2g}") if evidence else ""
+        reasons = {m: cleared(m) for m in need}
+        # a member whose own segment disagrees explains the group by itself
+        own = [m for m in need if segments[m].outcome == "disagree"]
+        for m in need:
+            if own and m not in own and not reasons[m]:
+                reasons[m] = f"{', '.join(own)} disagree{'s' if len(own) == 1 else ''} on {'its' if len(own) == 1 else 'their'} own segment"
+        suspected.append((group, [m for m in need if not reasons[m]] or list(need), need, reasons))
+    # one wrong tensor in several disagreeing groups (a layer's bias is in every group upstream of it): the tensors
+    # every one of them suspects explain them all
+    common = set.intersection(*(set(s) for _, s, _, _ in suspected)) if suspected else set()
+    for group, suspects, need, reasons in suspected:
+        for m in [m for m in suspects if m in common] or suspects:
+            others = [f"{n}: cleared ({reasons[n]})" if reasons[n] else
+                      f"{n} is not cleared" + ("" if n in common or not common else
+                                               f", but {', '.join(sorted(common))} explain{'s' if len(common) == 1 else ''} "
+                                               f"every disagreeing scaling segment") for n in need if n != m]
+            named.setdefault(m, []).append((group, (
+                f"named by the scaling segment of {', '.join(group.displacement)}, which disagrees: {m}'s gradient "
+                f"would be wrong by {need[m]:.2g} relative along its values" + (f"; {'; '.join(others)}" if others else ""))))
+    return named
 
 
 def _unresponsive_words(measured: Noise, build: str, precision: str) -> str:

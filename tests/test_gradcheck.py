@@ -22,7 +22,8 @@ from precision_lab.candidates.command import CommandCandidateError
 from precision_lab.candidates.opaque import OpaqueCandidate, read_start_bundle
 from precision_lab.errors import LabInputError
 from precision_lab.gradcheck import (SEGMENT_MAX, FunctionOracle, GradCheckError, Region, check_gradients, default_budget,
-                                     Segment, half_aligned, on_grid, segment_step, t_critical, t_two_sided_p)
+                                     Segment, half_aligned, homogeneous_groups, on_grid, scaling_step, segment_step,
+                                     t_critical, t_two_sided_p)
 
 ROOT = Path(__file__).resolve().parents[1]
 F = torch.nn.functional
@@ -291,20 +292,90 @@ def test_without_a_float64_build_a_one_percent_slip_is_a_defect_naming_its_tenso
     assert [t.name for t in result.tensors.values() if t.verdict == "defect"] == [tensor]
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_a_one_percent_slip_behind_a_relu_is_never_roundoff_without_a_float64_build(seed):
-    """The example ReLU conv net with conv.weight's gradient 1% off: float32 segments cross ~10⁴ kinks and do not
-    resolve 1%; the check must say so (inconclusive with its resolution), never roundoff, never blame another tensor."""
-    from precision_lab.experiments.gradient_check import FLOAT32_KINDS, slipped
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_without_a_float64_build_a_relu_conv_net_is_settled_along_its_scaling_direction(seed):
+    """The example ReLU conv net, right gradient, float32 only: along the 45° direction its conv layer crosses ~10⁴
+    kinks (resolution ~1e-2); scaling conv.weight, conv.bias and fc.bias together keeps every ReLU's sign, and the
+    segment there settles both conv tensors to ≤ 1e-4. Seed 0's noise line crosses a kink, which inflates the noise
+    line's σ_g ~10³×: the scaling segment's own σ_f must not depend on it."""
+    from precision_lab.experiments.gradient_check import FLOAT32_KINDS
 
     params, function = FLOAT32_KINDS["relu-conv"][1]()
-    result = check_gradients(FunctionOracle(slipped(function, "conv.weight"), name="relu", has_float64=False), params,
-                             seed=seed)
-    conv = result.tensors["conv.weight"]
-    assert conv.verdict in ("defect", "inconclusive") and result.verdict != "roundoff", result.to_text()
-    # what it could not see, it states: the slip moves ΔL − ∫f by 1% of ∫f, within a few times the stated bound
-    assert conv.verdict == "defect" or 0.01 * abs(conv.segment.integral) < 3 * conv.segment.bound
-    assert all(t.verdict != "defect" for n, t in result.tensors.items() if n != "conv.weight")
+    result = check_gradients(FunctionOracle(function, name="relu", has_float64=False), params, seed=seed)
+    assert result.verdict == "roundoff" and result.total_calls <= 60, result.to_text()
+    for name in ("conv.weight", "conv.bias"):
+        tensor = result.tensors[name]
+        assert tensor.segment.resolution > 1e-3  # its own segment, across the kinks, does not settle it
+        share = min((x for x in tensor.shares if x.outcome == "agree"), key=lambda x: x.resolution)
+        assert share.resolution <= 1e-4 and share.segment.rule not in ("panels", "jump-free panels")
+        assert set(share.segment.displacement) == {"conv.weight", "conv.bias", "fc.bias"}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("kind", ["relu-conv", "relu-maxpool"])
+def test_a_one_percent_slip_behind_a_relu_is_a_defect_without_a_float64_build(kind, seed):
+    """conv.weight's gradient 1% off behind the ReLU: the scaling segment disagrees and names conv.weight alone (conv.bias
+    would need a 25% error to explain it, which its own segment excludes); conv.bias 1% off: a defect naming conv.bias
+    (with the max-pool its own segment sees it; without, conv.weight cannot be cleared and is named beside it)."""
+    from precision_lab.experiments.gradient_check import FLOAT32_KINDS, slipped
+
+    params, function = FLOAT32_KINDS[kind][1]()
+    for tensor in ("conv.weight", "conv.bias"):
+        result = check_gradients(FunctionOracle(slipped(function, tensor), name="relu", has_float64=False), params,
+                                 seed=seed)
+        named = [t.name for t in result.tensors.values() if t.verdict == "defect"]
+        assert result.verdict == "defect" and tensor in named, result.to_text()
+        assert named == [tensor] or (kind, tensor) == ("relu-conv", "conv.bias"), named
+        assert all(t.verdict == "roundoff" for n, t in result.tensors.items() if n.startswith("fc."))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_without_a_float64_build_a_deeper_relu_network_names_a_hidden_layer_slip(seed):
+    """A three-layer ReLU MLP with cross-entropy: a 1% slip in the first or second layer's weight gradient is a defect
+    naming it (each layer's group scales the logits by 1 + t); the right program is never a defect."""
+    from precision_lab.experiments.gradient_check import FLOAT32_KINDS, slipped
+
+    params, function = FLOAT32_KINDS["relu-mlp"][1]()
+    right = check_gradients(FunctionOracle(function, name="mlp", has_float64=False), params, seed=seed)
+    assert right.verdict != "defect", right.to_text()
+    assert all(right.tensors[n].verdict == "roundoff" for n in ("l0.weight", "l1.weight", "l2.weight")), right.to_text()
+    for tensor in ("l0.weight", "l1.weight"):
+        result = check_gradients(FunctionOracle(slipped(function, tensor), name="mlp", has_float64=False), params,
+                                 seed=seed)
+        assert [t.name for t in result.tensors.values() if t.verdict == "defect"] == [tensor], result.to_text()
+
+
+def test_scaling_steps_are_exact_and_drop_no_element():
+    """Every node of a scaling segment is exact in float32 for every element (on_grid would drop the ones whose
+    segment crosses a power of two: 0.245 and 0.4958 here), the step is the scaling to a few ulps, and every reach
+    shares one centre."""
+    rng = np.random.default_rng(0)
+    value = np.concatenate([rng.standard_normal(200), [0.2450888, 0.49575993, 0.5, -0.25, 1e-30, 0.0]]).astype(np.float32)
+    value = value.astype(np.float64)
+    centres = []
+    for reach in (0.75, 0.1, 0.003):
+        centre, step = scaling_step(value, reach, np.float32)
+        centres.append(centre)
+        for m in np.linspace(-1, 1, 33):
+            point = centre + m * step
+            assert np.array_equal(point.astype(np.float32).astype(np.float64), point)
+        assert np.all((step != 0) == (value != 0))
+        # the scaling to half a grid spacing (32 ulps at |w|·1.77, ≤ 2⁻²³·1.78|w| each): < 2⁻¹⁸ of |w|
+        assert np.all(np.abs(step - reach * centre) <= 2.0 ** -18 * np.abs(value))
+        assert np.all(np.abs(centre - value) <= 16 * np.spacing(np.abs(value).astype(np.float32) * 2).astype(np.float64))
+    assert all(np.array_equal(centres[0], c) for c in centres)
+
+
+def test_homogeneous_groups_follow_the_layers_in_the_programs_order():
+    shapes = {"conv.weight": (4, 1, 3, 3), "conv.bias": (4,), "fc.weight": (1, 256), "fc.bias": (1,)}
+    assert homogeneous_groups(shapes, "conv.weight") == [("conv.weight", "conv.bias", "fc.bias"),
+                                                         ("conv.weight", "conv.bias")]
+    assert homogeneous_groups(shapes, "conv.bias") == homogeneous_groups(shapes, "conv.weight")
+    assert homogeneous_groups(shapes, "fc.weight") == [("fc.weight", "fc.bias")]
+    # HWIO (TensorFlow): the bias matches the last axis; a scalar is no layer's; a bias with no weight before it neither
+    hwio = {"k": (3, 3, 1, 8), "b": (8,), "t": (), "head": (8, 2)}
+    assert homogeneous_groups(hwio, "b") == [("k", "b")] and homogeneous_groups(hwio, "t") == []
+    assert homogeneous_groups({"b": (3,), "w": (3, 3)}, "b") == []
 
 
 @pytest.mark.parametrize("bias_size", [0.0, 1e-6])
@@ -727,7 +798,7 @@ def test_bad_opaque_yaml_is_refused_in_one_line(tmp_path, overrides, message):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, verdict, tensors", [
-    ("relu", "inconclusive", []),  # float32 only: the conv layer behind the ReLU is not resolved to 1e-4
+    ("relu", "roundoff", []),  # float32 only: the conv layer behind the ReLU settled along its scaling direction
     ("relu-bug", "defect", ["fc.weight"]),
     ("kan", "roundoff", []),
     ("kan-no-float64", "roundoff", []),  # float32 only: every tensor's segment resolves g·d to ≤ 1e-4
@@ -746,8 +817,9 @@ def test_kan_candidates_through_diagnose(tmp_path, capsys, name, verdict, tensor
     assert report["cost"]["calls"] <= 60
     printed = capsys.readouterr().out
     assert f"verdict: {verdict}" in printed and "program calls" in printed
-    if name == "relu":  # its read-out is quadratic along any segment: settled float32-only
-        assert report["parameters"]["fc.weight"]["verdict"] == "roundoff"
-        assert report["parameters"]["fc.weight"]["resolution"] <= 1e-4
+    if name == "relu":  # its read-out is quadratic along any segment; its conv layer along the scaling segment
+        for tensor in ("fc.weight", "conv.weight", "conv.bias"):
+            assert report["parameters"][tensor]["resolution"] <= 1e-4
+        assert report["parameters"]["conv.weight"]["scaling_segments"][0]["group"]["rule"] == "trapezoid"
     if name == "kan-bug":  # the three wrong elements: layer2.spline_weight[0, 4, 0..2]
         assert report["parameters"]["layer2.spline_weight"]["located"][0]["region"].startswith("layer2.spline_weight[0, 4,")

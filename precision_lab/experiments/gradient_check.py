@@ -318,6 +318,65 @@ def _normalisation_kind(seed: int = 5, samples: int = 32, width: int = 8, hidden
     return params, run
 
 
+def _relu_mlp_kind(seed: int = 6, samples: int = 64, inputs: int = 20, widths=(64, 32), classes: int = 10):
+    """A ReLU MLP in numpy, three layers, cross-entropy, backward by hand: kinks in two layers, one behind the other."""
+    rng = np.random.default_rng(seed)
+    x, labels = rng.standard_normal((samples, inputs)), rng.integers(0, classes, samples)
+    sizes = (inputs, *widths, classes)
+    params = {}
+    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        params[f"l{i}.weight"] = (rng.standard_normal((fan_out, fan_in)) * np.sqrt(2 / fan_in)).astype(np.float32)
+        params[f"l{i}.bias"] = (0.1 * rng.standard_normal(fan_out)).astype(np.float32)
+    layers = len(sizes) - 1
+
+    def run(p, dtype):
+        p = {k: np.asarray(v, dtype) for k, v in p.items()}
+        h, cache = x.astype(dtype), []
+        for i in range(layers):
+            z = h @ p[f"l{i}.weight"].T + p[f"l{i}.bias"]
+            cache.append(h)
+            h = np.maximum(z, 0) if i < layers - 1 else z
+        shifted = h - h.max(1, keepdims=True)
+        log_p = shifted - np.log(np.exp(shifted).sum(1, keepdims=True))
+        loss = -log_p[np.arange(samples), labels].mean()
+        g = np.exp(log_p)
+        g[np.arange(samples), labels] -= 1
+        g /= samples
+        grads = {}
+        for i in reversed(range(layers)):
+            grads[f"l{i}.weight"], grads[f"l{i}.bias"] = g.T @ cache[i], g.sum(0)
+            if i:
+                g = (g @ p[f"l{i}.weight"]) * (cache[i] > 0)
+        return loss, grads
+    return params, run
+
+
+def _torch_cnn_kind(seed: int = 7, samples: int = 8, size: int = 16, channels=(8, 16), classes: int = 10):
+    """Two convolutions with ReLU and max-pool, a linear read-out and cross-entropy, in PyTorch float32 (autograd)."""
+    import torch
+    import torch.nn.functional as F
+
+    rng = np.random.default_rng(seed)
+    x, labels = rng.standard_normal((samples, 1, size, size)), rng.integers(0, classes, samples)
+    c1, c2 = channels
+    params = {"conv1.weight": rng.standard_normal((c1, 1, 3, 3)) / 3, "conv1.bias": 0.1 * rng.standard_normal(c1),
+              "conv2.weight": rng.standard_normal((c2, c1, 3, 3)) / np.sqrt(9 * c1),
+              "conv2.bias": 0.1 * rng.standard_normal(c2),
+              "fc.weight": rng.standard_normal((classes, c2 * (size // 4) ** 2)) / np.sqrt(c2 * (size // 4) ** 2),
+              "fc.bias": np.zeros(classes)}
+    params = {k: v.astype(np.float32) for k, v in params.items()}
+
+    def run(p, dtype):
+        dt = torch.float64 if np.dtype(dtype) == np.float64 else torch.float32
+        t = {k: torch.tensor(np.asarray(v), dtype=dt, requires_grad=True) for k, v in p.items()}
+        h = F.max_pool2d(F.relu(F.conv2d(torch.tensor(x, dtype=dt), t["conv1.weight"], t["conv1.bias"], padding=1)), 2)
+        h = F.max_pool2d(F.relu(F.conv2d(h, t["conv2.weight"], t["conv2.bias"], padding=1)), 2)
+        loss = F.cross_entropy(h.flatten(1) @ t["fc.weight"].T + t["fc.bias"], torch.tensor(labels))
+        grads = torch.autograd.grad(loss, list(t.values()))
+        return loss.item(), {k: g.numpy() for k, g in zip(t, grads)}
+    return params, run
+
+
 #: kind → (what it is, builder); each builder gives (parameters in float32, fn(params, dtype) -> (loss, grads))
 FLOAT32_KINDS = {
     "kan": ("the example KAN (cubic B-splines, smooth)", lambda: _kan_kind(False)),
@@ -326,6 +385,8 @@ FLOAT32_KINDS = {
     "normalisation": ("linear, batch normalisation, tanh, linear", _normalisation_kind),
     "relu-conv": ("the example ReLU conv net", lambda: _relu_kind(False)),
     "relu-maxpool": ("the ReLU conv net with a 2x2 max-pool", lambda: _relu_kind(True)),
+    "relu-mlp": ("a ReLU MLP, 3 layers (64, 32 wide), cross-entropy", _relu_mlp_kind),
+    "torch-cnn": ("PyTorch: 2 convolutions with ReLU and max-pool, linear, cross-entropy", _torch_cnn_kind),
 }
 
 
