@@ -1837,10 +1837,14 @@ def _group_suspects(groups: list[Segment], segments: dict[str, Segment],
         need = {m: abs(group.residual) / part for m, part in group.parts.items() if part > 0}
 
         def cleared(m: str) -> str:
+            if segments[m].outcome == "disagree":
+                return ""
+            # an agreeing segment bounds m's relative error by |its residual| + its bound (both relative to m's part)
             own = [segments[m]] + [x for x in shares[m] if x.segment is not group]
-            evidence = [x for x in own if x.outcome == "agree" and x.resolution < need[m]]
-            return (f"{m} would need {need[m]:.2g} relative along its values, and its own evidence agrees to "
-                    f"{min(x.resolution for x in evidence):.2g}") if evidence else ""
+            evidence = [x for x in own if x.outcome == "agree" and abs(x.relative_error) + x.resolution < need[m]]
+            best = min(evidence, key=lambda x: abs(x.relative_error) + x.resolution, default=None)
+            return (f"{m} would need {need[m]:.2g} relative along its values, and its own evidence allows at most "
+                    f"{abs(best.relative_error) + best.resolution:.2g}") if best else ""
         reasons = {m: cleared(m) for m in need}
         # a member whose own segment disagrees explains the group by itself
         own = [m for m in need if segments[m].outcome == "disagree"]
