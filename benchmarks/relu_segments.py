@@ -1,4 +1,4 @@
-"""Why float32 alone cannot settle a gradient behind ReLUs: the segment identity on the ReLU conv net's conv.weight.
+"""Why a tensor's own segment cannot settle a gradient behind ReLUs: the segment identity on the ReLU conv net's conv.weight.
 
     python benchmarks/relu_segments.py [--seeds 3]
 

@@ -44,7 +44,12 @@ What the check spends its program calls on, in order:
    (nested trapezoid sums converging like h²): Simpson, with the coarser Simpson as its error bound;
    kinks (ReLU, max, clamps): each panel is its own identity, and a wrong gradient shifts every
    panel's residual in proportion to its integral (a fit with a Student t); few jumps: the run of
-   panels beside them. The calls left go where each bound comes from: a segment bounded by rounding is
+   panels beside them. A tensor whose segment crossed kinks is then moved with its layer along the
+   layer's own values (`check_groups`): a weight, its bias and every later 1-D tensor scaled together by
+   (1 + t) scale every pre-activation from that layer on, so no ReLU or max-pool changes its branch
+   (positive homogeneity) and the segment resolves g·Δ to the loss difference's rounding; each member's
+   part of that segment is its resolution (`Share`), and a disagreeing group names the members the other
+   evidence does not clear. The calls left go where each bound comes from: a segment bounded by rounding is
    tried longer, one bounded by quadrature gets twice the panels, then a shorter segment, and a tensor
    behind many kinks gets the short stencil of 2. (which crosses few of them); a tensor's verdict is its
    best evidence's.
@@ -933,9 +938,11 @@ class TensorVerdict:
 
     def summary(self) -> dict:
         evidence = [x for x in [self.segment, *self.shares, *self.directions] if x is not None and x.deciding is not None]
-        if self.verdict != "defect":  # a roundoff or open tensor states its best agreement, not a group another member failed
-            evidence = [x for x in evidence if x.outcome == "agree"] or evidence
-        deciding = min(evidence, key=lambda x: x.resolution if x.outcome == "agree" else -math.inf, default=None)
+        # a defect states its finest disagreement; a roundoff or open tensor its finest agreement, not a group that
+        # another member failed
+        wanted = "disagree" if self.verdict == "defect" else "agree"
+        evidence = [x for x in evidence if x.outcome == wanted] or evidence
+        deciding = min(evidence, key=lambda x: x.resolution if x.outcome == wanted else math.inf, default=None)
         return {"verdict": self.verdict, "max_abs_err": self.max_abs_err, "bound_ratio": self.bound_ratio,
                 "layout_fix": None, "shape": list(self.shape),
                 "directional_error": deciding.relative_error if deciding else None,
@@ -1492,6 +1499,18 @@ def check_groups(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation,
             done.append(scale(group, panels))
             if not kinked(done[-1]):
                 break
+    for group in [s for s in done if s.outcome == "disagree" and sum(p > 0 for p in s.parts.values()) > 1]:
+        # another group holding a suspect but fewer of the others tells them apart (a layer's bias is in every group
+        # upstream of it: the group of its own layer does not hold the upstream layers)
+        need = {m: abs(group.residual) / part for m, part in group.parts.items() if part > 0}
+        suspects = [m for m in need if segments[m].outcome == "disagree" or not (
+            segments[m].outcome == "agree" and abs(segments[m].relative_error) + segments[m].resolution < need[m])]
+        others = [g for m in suspects for g in homogeneous_groups(shapes, m) if g not in tried]
+        if len(suspects) > 1 and others:
+            other = min(others, key=lambda g: sum(m in g for m in suspects))
+            if sum(m in other for m in suspects) < len(suspects) and calls.left >= panels:
+                tried.add(other)
+                done.append(scale(other, panels))
     for group in [s for s in done if s.outcome == "disagree" and sum(p > 0 for p in s.parts.values()) > 1]:
         for m in (m for m in group.parts if len(shapes[m]) >= 2 and (m,) not in tried):
             tried.add((m,))

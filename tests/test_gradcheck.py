@@ -800,6 +800,7 @@ def test_bad_opaque_yaml_is_refused_in_one_line(tmp_path, overrides, message):
 @pytest.mark.parametrize("name, verdict, tensors", [
     ("relu", "roundoff", []),  # float32 only: the conv layer behind the ReLU settled along its scaling direction
     ("relu-bug", "defect", ["fc.weight"]),
+    ("relu-conv-bug", "defect", ["conv.weight"]),  # behind the ReLU: named by the scaling segment
     ("kan", "roundoff", []),
     ("kan-no-float64", "roundoff", []),  # float32 only: every tensor's segment resolves g·d to ≤ 1e-4
     ("kan-bug", "defect", ["layer2.spline_weight"]),
