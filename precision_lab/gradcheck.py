@@ -1391,32 +1391,55 @@ def scaling_step(value: np.ndarray, reach: float, storage: np.dtype,
     return centre, step
 
 
+def _vector(shape: tuple[int, ...]) -> bool:
+    """A bias-like tensor: one axis (a (1, C) tensor is a one-output linear layer's weight as often as a bias)."""
+    return len(shape) == 1
+
+
+def _matrix(shape: tuple[int, ...]) -> bool:
+    """A weight: two axes or more."""
+    return len(shape) >= 2
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return len(os.path.commonprefix([a, b]))
+
+
 def homogeneous_groups(shapes: dict[str, tuple[int, ...]], name: str) -> list[tuple[str, ...]]:
     """Tensors that, scaled together by (1 + t), scale a ReLU network's pre-activations by (1 + t) from `name`'s layer
     on, so that no ReLU, max-pool or leaky ReLU changes its branch along the segment: the layer's weight W (≥ 2-D),
-    its bias (the 1-D tensor right after W with as many elements as W has outputs, first or last axis: OIHW or HWIO)
-    and every later 1-D tensor (the later biases, a normalisation's scale and shift), then the layer alone. A 1-D
-    `name` joins the layer of the last weight before it with that many outputs. The program's tensors are in its
-    own order; a group that is not homogeneous for the program (a clamp, a PReLU slope, a bias that is not
-    one) is found out by its segment's convergence (`Segment.evaluate`), never assumed."""
+    its bias and every later 1-D tensor (later biases, a normalisation's scale and shift),
+    then the layer alone. W's bias is the bias-like tensor next to it, after or before (a sorted pytree puts
+    `Dense_0/bias` before `Dense_0/kernel`), with as many elements as W has outputs (its first axis or its last:
+    OIHW or HWIO), the one whose name shares more of W's first. A 1-D `name` that is no weight's bias (a
+    normalisation's scale) joins the groups of the weight before it. The tensors are in the program's order; a
+    group that is not homogeneous for the program (a clamp, a PReLU slope, a bias that is not one) is found out by
+    its segment's convergence (`Segment.evaluate`), never assumed."""
     order = list(shapes)
+
+    def bias_of(j: int) -> int | None:
+        outputs = {shapes[order[j]][0], shapes[order[j]][-1]}
+        near = [k for k in (j + 1, j - 1) if 0 <= k < len(order) and _vector(shapes[order[k]])
+                and math.prod(shapes[order[k]]) in outputs]
+        return max(near, key=lambda k: (_common_prefix(order[k], order[j]), k > j), default=None)
+
+    def groups_of(j: int) -> list[tuple[str, ...]]:
+        bias = bias_of(j)
+        layer = [order[j]] + ([order[bias]] if bias is not None else [])
+        later = [order[k] for k in range(j + 1, len(order)) if k != bias and _vector(shapes[order[k]])]
+        return [tuple(layer + later), tuple(layer)] if later else [tuple(layer)]
+
     i = order.index(name)
-    if not shapes[name]:  # a scalar is no layer's
+    if _matrix(shapes[name]):
+        return groups_of(i)
+    if not _vector(shapes[name]):  # a scalar is no layer's
         return []
-    if len(shapes[name]) == 1:
-        size = shapes[name][0]
-        weights = [j for j in range(i - 1, -1, -1) if len(shapes[order[j]]) >= 2 and size in
-                   (shapes[order[j]][0], shapes[order[j]][-1])]
-        if not weights:
-            return []
-        i = weights[0]
-    weight, outputs = order[i], (shapes[order[i]][0], shapes[order[i]][-1])
-    rest = order[i + 1:]
-    layer = [weight] + ([rest[0]] if rest and len(shapes[rest[0]]) == 1 and shapes[rest[0]][0] in outputs else [])
-    later = [n for n in order[i + len(layer):] if len(shapes[n]) == 1]
-    if name not in layer:  # a 1-D tensor after the layer's bias: it belongs to the downstream part only
-        return [tuple(layer + later)] if name in later else []
-    return [tuple(layer + later), tuple(layer)] if later else [tuple(layer)]
+    owner = next((j for j in (i - 1, i + 1) if 0 <= j < len(order) and _matrix(shapes[order[j]]) and bias_of(j) == i),
+                 None)
+    if owner is not None:
+        return groups_of(owner)
+    earlier = [j for j in range(i - 1, -1, -1) if _matrix(shapes[order[j]])]
+    return [g for g in groups_of(earlier[0]) if name in g][:1] if earlier else []
 
 
 def check_groups(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation, noise: Noise,
@@ -1512,7 +1535,7 @@ def check_groups(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation,
                 tried.add(other)
                 done.append(scale(other, panels))
     for group in [s for s in done if s.outcome == "disagree" and sum(p > 0 for p in s.parts.values()) > 1]:
-        for m in (m for m in group.parts if len(shapes[m]) >= 2 and (m,) not in tried):
+        for m in (m for m in group.parts if _matrix(shapes[m]) and (m,) not in tried):
             tried.add((m,))
             # 8 panels at least: on 4, the kinks leave the panels' fit 3 dof (measured: 5e-3 on the ReLU example)
             few = next((k for k in (2 * panels, panels) if calls.left >= k), 0)

@@ -372,10 +372,19 @@ def test_homogeneous_groups_follow_the_layers_in_the_programs_order():
                                                          ("conv.weight", "conv.bias")]
     assert homogeneous_groups(shapes, "conv.bias") == homogeneous_groups(shapes, "conv.weight")
     assert homogeneous_groups(shapes, "fc.weight") == [("fc.weight", "fc.bias")]
-    # HWIO (TensorFlow): the bias matches the last axis; a scalar is no layer's; a bias with no weight before it neither
+    # HWIO (TensorFlow): the bias matches the last axis; a scalar is no layer's; a bias with no weight beside or before
+    # it neither
     hwio = {"k": (3, 3, 1, 8), "b": (8,), "t": (), "head": (8, 2)}
     assert homogeneous_groups(hwio, "b") == [("k", "b")] and homogeneous_groups(hwio, "t") == []
-    assert homogeneous_groups({"b": (3,), "w": (3, 3)}, "b") == []
+    assert homogeneous_groups({"b": (3,), "x": (5,), "w": (3, 3)}, "b") == []
+    # a sorted pytree (Flax: bias before kernel), square layers: each kernel takes the bias of its own name
+    flax = {"Dense_0/bias": (8,), "Dense_0/kernel": (8, 8), "Dense_1/bias": (8,), "Dense_1/kernel": (8, 8)}
+    assert homogeneous_groups(flax, "Dense_0/kernel")[0] == ("Dense_0/kernel", "Dense_0/bias", "Dense_1/bias")
+    assert homogeneous_groups(flax, "Dense_1/bias") == [("Dense_1/kernel", "Dense_1/bias")]
+    # a normalisation's scale between layers joins the upstream group
+    normed = {"w1": (4, 1, 3, 3), "b1": (4,), "scale": (4,), "w2": (2, 16), "b2": (2,)}
+    assert homogeneous_groups(normed, "w1")[0] == ("w1", "b1", "scale", "b2")
+    assert homogeneous_groups(normed, "scale") == [("w1", "b1", "scale", "b2")]
 
 
 @pytest.mark.parametrize("bias_size", [0.0, 1e-6])
