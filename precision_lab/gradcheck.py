@@ -1466,10 +1466,10 @@ def check_groups(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation,
     middle = {**base, **{m: scaling_step(base[m], 0.0, storage)[0] for m in scaled}}
     at_middle: list[Evaluation] = [at_base] if all(np.array_equal(middle[m], base[m]) for m in scaled) else []
 
-    def scale(group: tuple[str, ...], panels: int) -> Segment:
+    def scale(group: tuple[str, ...], panels: int, for_largest: bool = False) -> Segment:
         parts = {m: abs(float(np.sum(at_base.grads[m] * base[m]))) for m in group}
         largest = max(parts.values())
-        smallest = min(v for v in parts.values() if v >= GROUP_PART_FLOOR * largest)
+        smallest = largest if for_largest else min(v for v in parts.values() if v >= GROUP_PART_FLOOR * largest)
         reach = min(critical(noise.dof) * math.sqrt(2.0) * noise.loss_sigma
                     / (2.0 * smallest * ROUNDING_SHARE * SETTLE_RTOL), GROUP_REACH)
         nodes = np.linspace(-1.0, 1.0, panels + 1)
@@ -1521,6 +1521,14 @@ def check_groups(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation,
                 continue
             done.append(scale(group, panels))
             if not kinked(done[-1]):
+                # a reach long enough for the small parts may leave the loss too curved along it (a cross-entropy over
+                # 1 ± 0.75 of its logits): then the reach its largest part needs, with the calls left
+                first, heaviest = done[-1], max(done[-1].parts, key=done[-1].parts.get)
+                if (first.outcome == "agree" and Share(heaviest, first).resolution > SETTLE_RTOL
+                        and calls.left >= panels):
+                    short = scale(group, panels, for_largest=True)
+                    if short.fraction < first.fraction:
+                        done.append(short)
                 break
     for group in [s for s in done if s.outcome == "disagree" and sum(p > 0 for p in s.parts.values()) > 1]:
         # another group holding a suspect but fewer of the others tells them apart (a layer's bias is in every group
