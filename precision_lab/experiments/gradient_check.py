@@ -386,6 +386,7 @@ FLOAT32_KINDS = {
     "relu-conv": ("the example ReLU conv net", lambda: _relu_kind(False)),
     "relu-maxpool": ("the ReLU conv net with a 2x2 max-pool", lambda: _relu_kind(True)),
     "relu-mlp": ("a ReLU MLP, 3 layers (64, 32 wide), cross-entropy", _relu_mlp_kind),
+    "relu-mlp5": ("a ReLU MLP, 5 layers (64, 64, 64, 32 wide), cross-entropy", lambda: _relu_mlp_kind(widths=(64, 64, 64, 32))),
     "torch-cnn": ("PyTorch: 2 convolutions with ReLU and max-pool, linear, cross-entropy", _torch_cnn_kind),
 }
 
@@ -398,7 +399,8 @@ def slipped(function, tensor: str, factor: float = 1.01):
     return run
 
 
-def float32_resolution(kinds=None, seeds=(0, 1), with_float64: bool = False, slips: bool = True) -> pd.DataFrame:
+def float32_resolution(kinds=None, seeds=(0, 1), with_float64: bool = False, slips: bool = True,
+                       max_calls: int | None = None) -> pd.DataFrame:
     """One row per (kind, seed, case): the check's verdict on the right program and on each 1% slip, the
     resolution it states per tensor, and its program calls. `with_float64`: the same code in float64 as the
     float64 build; else the float32 build alone."""
@@ -412,7 +414,7 @@ def float32_resolution(kinds=None, seeds=(0, 1), with_float64: bool = False, sli
             for case, tensor in cases:
                 program = function if tensor is None else slipped(function, tensor)
                 oracle = FunctionOracle(program, name=kind, has_float64=with_float64)
-                result = check_gradients(oracle, params, seed=seed)
+                result = check_gradients(oracle, params, seed=seed, max_calls=max_calls)
                 resolutions = [t.summary()["resolution"] for t in result.tensors.values()]
                 resolutions = [r for r in resolutions if r is not None and math.isfinite(r)]
                 flagged = sorted(t.name for t in result.tensors.values() if t.verdict == "defect")
