@@ -1466,12 +1466,14 @@ def check_groups(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation,
     middle = {**base, **{m: scaling_step(base[m], 0.0, storage)[0] for m in scaled}}
     at_middle: list[Evaluation] = [at_base] if all(np.array_equal(middle[m], base[m]) for m in scaled) else []
 
-    def scale(group: tuple[str, ...], panels: int, for_largest: bool = False) -> Segment:
+    def reach_for(group: tuple[str, ...], for_largest: bool = False) -> float:
         parts = {m: abs(float(np.sum(at_base.grads[m] * base[m]))) for m in group}
         largest = max(parts.values())
         smallest = largest if for_largest else min(v for v in parts.values() if v >= GROUP_PART_FLOOR * largest)
-        reach = min(critical(noise.dof) * math.sqrt(2.0) * noise.loss_sigma
-                    / (2.0 * smallest * ROUNDING_SHARE * SETTLE_RTOL), GROUP_REACH)
+        return min(critical(noise.dof) * math.sqrt(2.0) * noise.loss_sigma
+                   / (2.0 * smallest * ROUNDING_SHARE * SETTLE_RTOL), GROUP_REACH)
+
+    def scale(group: tuple[str, ...], panels: int, reach: float) -> Segment:
         nodes = np.linspace(-1.0, 1.0, panels + 1)
         displacement = {m: scaling_step(base[m], reach, storage)[1] for m in group}
         if not at_middle:
@@ -1519,36 +1521,34 @@ def check_groups(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation,
             tried.add(group)
             if not any(np.any(at_base.grads[m] * base[m]) for m in group):
                 continue
-            done.append(scale(group, panels))
+            done.append(scale(group, panels, reach_for(group)))
             if not kinked(done[-1]):
                 # a reach long enough for the small parts may leave the loss too curved along it (a cross-entropy over
                 # 1 ± 0.75 of its logits): then the reach its largest part needs, with the calls left
                 first, heaviest = done[-1], max(done[-1].parts, key=done[-1].parts.get)
+                shorter = reach_for(group, for_largest=True)
                 if (first.outcome == "agree" and Share(heaviest, first).resolution > SETTLE_RTOL
-                        and calls.left >= panels):
-                    short = scale(group, panels, for_largest=True)
-                    if short.fraction < first.fraction:
-                        done.append(short)
+                        and shorter < first.fraction and calls.left >= panels):
+                    done.append(scale(group, panels, shorter))
                 break
     for group in [s for s in done if s.outcome == "disagree" and sum(p > 0 for p in s.parts.values()) > 1]:
         # another group holding a suspect but fewer of the others tells them apart (a layer's bias is in every group
         # upstream of it: the group of its own layer does not hold the upstream layers)
-        need = {m: abs(group.residual) / part for m, part in group.parts.items() if part > 0}
-        suspects = [m for m in need if segments[m].outcome == "disagree" or not (
-            segments[m].outcome == "agree" and abs(segments[m].relative_error) + segments[m].resolution < need[m])]
+        need = _implied_errors(group)
+        suspects = [m for m in need if segments[m].outcome == "disagree" or not _excludes(segments[m], need[m])]
         others = [g for m in suspects for g in homogeneous_groups(shapes, m) if g not in tried]
         if len(suspects) > 1 and others:
             other = min(others, key=lambda g: sum(m in g for m in suspects))
             if sum(m in other for m in suspects) < len(suspects) and calls.left >= panels:
                 tried.add(other)
-                done.append(scale(other, panels))
+                done.append(scale(other, panels, reach_for(other)))
     for group in [s for s in done if s.outcome == "disagree" and sum(p > 0 for p in s.parts.values()) > 1]:
         for m in (m for m in group.parts if _matrix(shapes[m]) and (m,) not in tried):
             tried.add((m,))
             # 8 panels at least: on 4, the kinks leave the panels' fit 3 dof (measured: 5e-3 on the ReLU example)
             few = next((k for k in (2 * panels, panels) if calls.left >= k), 0)
             if few and np.any(at_base.grads[m] * base[m]):
-                done.append(scale((m,), few))
+                done.append(scale((m,), few, reach_for((m,))))
     return done
 
 
@@ -1875,6 +1875,17 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
                      time.perf_counter() - started, calls.program_s, seed, notes)
 
 
+def _implied_errors(group: Segment) -> dict[str, float]:
+    """The relative error along its own values each member of a disagreeing group would need to explain it alone."""
+    return {m: abs(group.residual) / part for m, part in group.parts.items() if part > 0}
+
+
+def _excludes(evidence, need: float) -> bool:
+    """An agreeing segment bounds its tensor's relative error by |its residual| + its bound: below `need`, it
+    excludes an error that large (as a scale error)."""
+    return evidence.outcome == "agree" and abs(evidence.relative_error) + evidence.resolution < need
+
+
 def _group_suspects(groups: list[Segment], segments: dict[str, Segment],
                     shares: dict[str, list[Share]]) -> dict[str, list[tuple[Segment, str]]]:
     """The tensors a disagreeing scaling segment names. Its residual could come from any member m, whose gradient
@@ -1884,14 +1895,13 @@ def _group_suspects(groups: list[Segment], segments: dict[str, Segment],
     named: dict[str, list[tuple[Segment, str]]] = {}
     suspected: list[tuple[Segment, list[str], dict[str, float], dict[str, str]]] = []
     for group in (g for g in groups if g.outcome == "disagree"):
-        need = {m: abs(group.residual) / part for m, part in group.parts.items() if part > 0}
+        need = _implied_errors(group)
 
         def cleared(m: str) -> str:
             if segments[m].outcome == "disagree":
                 return ""
-            # an agreeing segment bounds m's relative error by |its residual| + its bound (both relative to m's part)
             own = [segments[m]] + [x for x in shares[m] if x.segment is not group]
-            evidence = [x for x in own if x.outcome == "agree" and abs(x.relative_error) + x.resolution < need[m]]
+            evidence = [x for x in own if _excludes(x, need[m])]
             best = min(evidence, key=lambda x: abs(x.relative_error) + x.resolution, default=None)
             return (f"{m} would need {need[m]:.2g} relative along its values, and its own evidence allows at most "
                     f"{abs(best.relative_error) + best.resolution:.2g}") if best else ""
