@@ -973,6 +973,8 @@ class GradCheck:
     program_s: float
     seed: int
     notes: list[str] = field(default_factory=list)
+    #: sets of tensors one of which is wrong, where the check cannot tell which (a scaling segment of several)
+    defect_in_one_of: list[list[str]] = field(default_factory=list)
 
     @property
     def total_calls(self) -> int:
@@ -981,8 +983,8 @@ class GradCheck:
     def headline(self) -> str:
         bad = [t for t in self.tensors.values() if t.verdict == self.verdict and self.verdict != "roundoff"]
         if self.verdict == "defect":
-            names = ", ".join(t.name for t in bad) or "the whole gradient"
-            return f"defect in {names}"
+            names = [t.name for t in bad] + [f"one of {' or '.join(group)}" for group in self.defect_in_one_of]
+            return f"defect in {', '.join(names) or 'the whole gradient'}"
         if self.verdict == "inconclusive":
             return f"inconclusive for {', '.join(t.name for t in bad)}: {bad[0].settle}" if bad else "inconclusive"
         resolution = max((t.summary()["resolution"] for t in self.tensors.values()
@@ -1029,7 +1031,8 @@ class GradCheck:
             "noise": {build: n.summary() for build, n in self.noise.items()},
             "cost": {"calls": self.total_calls, "calls_by_build": dict(self.calls), "budget": self.budget,
                      "wall_s": self.wall_s, "program_s": self.program_s},
-            "seed": self.seed, "notes": list(self.notes)})
+            "seed": self.seed, "notes": list(self.notes),
+            "defect_in_one_of": [list(g) for g in self.defect_in_one_of]})
 
     def to_frame(self):
         import pandas as pd
@@ -1154,8 +1157,9 @@ class Segment:
             panel_residual, panel_bound = -slope * self.scale, critical(panels - 1) * standard_error * self.scale
             panel_words = (f"the {panels} panels' residuals against their integrals give a relative error {-slope:.2g} ± "
                            f"{standard_error:.2g} (Student t, {panels - 1} dof)")
-        else:  # the gradient says the loss does not change along Δ: then ΔL must be rounding
-            panel_residual, panel_bound = delta_l, critical(panels - 1) * spread * math.sqrt(panels)
+        else:  # the gradient says the loss does not change along Δ: then ΔL must be rounding (the panels' scatter
+            # is the loss's own change here, not rounding: it would vouch for a gradient left at zero)
+            panel_residual, panel_bound = delta_l, critical(self.dof) * rounding
             panel_words = f"g·Δ is 0 at every node; the loss changes by {delta_l:.3g} (Student t, {panels - 1} dof)"
         depth = 0
         while depth + 1 <= levels - 1 and SMOOTH_RATIO[0] <= ratio(depth) / 4 ** (depth + 1) <= SMOOTH_RATIO[1]:
@@ -1824,10 +1828,9 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
     multipliers = [m * LEVEL_FACTOR ** -i for i in range(MAX_LEVELS) for m in (1, -1)]
     shares: dict[str, list[Share]] = {name: [Share(name, g) for g in groups if g.parts.get(name, 0.0) > 0]
                                       for name in base}
-    kinked = sorted((s for name, s in segments.items() if s.rule == "panels" and s.outcome == "agree"
-                     and s.resolution > SETTLE_RTOL
-                     and not any(x.outcome == "agree" and x.resolution <= SETTLE_RTOL for x in shares[name])),
-                    key=lambda s: -s.resolution)
+    # the tensors a share settled too: a share sees the gradient only along the tensor's own values
+    kinked = sorted((s for s in segments.values() if s.rule == "panels" and s.outcome == "agree"
+                     and s.resolution > SETTLE_RTOL), key=lambda s: -s.resolution)
     try:
         for segment in kinked:
             name = next(iter(segment.displacement))
@@ -1840,17 +1843,26 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
                 checker.advance(direction)
     finally:
         calls.close()
-    named = _group_suspects(groups, segments, shares)
+    named, unexplained, either = _group_suspects(groups, segments, shares)
+    undecided = [group for group, _ in either]
+    notes = notes + [words for _, words in either]
     tensors = {}
     for name, segment in segments.items():
+        # a share sees the gradient only along the tensor's values: the gradient of its zero elements not at all
+        zero = base[name] == 0
+        norm = float(np.linalg.norm(at_base.grads[name]))
+        blind = float(np.linalg.norm(at_base.grads[name][zero])) / norm if norm > 0 and zero.any() else 0.0
         tensor = TensorVerdict(name, base[name].shape, segment=segment, evidence=[segment.evidence()],
-                               directions=directions[name], shares=shares[name])
+                               directions=directions[name], shares=shares[name] if blind <= SETTLE_RTOL else [])
         tensor.evidence += [d.evidence() for d in directions[name]] + [x.evidence() for x in shares[name]]
+        if blind > SETTLE_RTOL and shares[name]:
+            tensor.evidence.append(f"{blind:.2g} of {name}'s gradient norm is on elements whose value is 0, which its "
+                                   f"scaling segments do not move: they do not settle it")
         tensor.max_abs_err = abs(segment.residual) / (2 * segment.norm()) if segment.norm() > 0 else math.nan
         tensor.bound_ratio = abs(segment.residual) / segment.bound if segment.bound > 0 else math.inf
         short = [d for d in directions[name] if d.outcome in ("agree", "disagree")]
         resolution = min([segment.resolution] + [d.resolution for d in short if d.outcome == "agree"]
-                         + [x.resolution for x in shares[name] if x.outcome == "agree"])
+                         + [x.resolution for x in tensor.shares if x.outcome == "agree"])
         if segment.outcome == "disagree" or any(d.outcome == "disagree" for d in short) or name in named:
             tensor.verdict = "defect"
             for d in (d for d in short if d.outcome == "disagree"):
@@ -1869,30 +1881,43 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
                              f"(settled needs {SETTLE_RTOL:g}; {segment.statistic}): give the candidate a "
                              f"command_float64 (the same program in double precision), or more calls (--max-calls)")
         tensors[name] = tensor
-    verdicts = [t.verdict for t in tensors.values()]
+    for name in {m for group in undecided for m in group}:
+        if tensors[name].verdict != "defect":
+            tensors[name].verdict = "inconclusive"
+            words = next(w for g, w in either if name in g)
+            tensors[name].evidence.append(words)
+            tensors[name].settle = f"{words}: more calls (--max-calls) for a segment that tells them apart"
+    verdicts = [t.verdict for t in tensors.values()] + ["defect"] * bool(unexplained or undecided)
     verdict = "defect" if "defect" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "roundoff")
     return GradCheck(oracle.name, claimed, False, verdict, tensors, [], None, noise, dict(calls.counts), budget,
-                     time.perf_counter() - started, calls.program_s, seed, notes)
+                     time.perf_counter() - started, calls.program_s, seed, notes + unexplained, undecided)
 
 
 def _implied_errors(group: Segment) -> dict[str, float]:
-    """The relative error along its own values each member of a disagreeing group would need to explain it alone."""
-    return {m: abs(group.residual) / part for m, part in group.parts.items() if part > 0}
+    """The relative error along its own values each member of a disagreeing group would need to explain it alone:
+    |residual| ÷ its part; unbounded for a member the segment moves whose claimed part is 0 (a gradient left at
+    zero explains any residual), none for a member it does not move (an all-zero tensor)."""
+    return {m: abs(group.residual) / part if part > 0 else math.inf for m, part in group.parts.items()
+            if part > 0 or np.any(group.displacement[m])}
 
 
 def _excludes(evidence, need: float) -> bool:
     """An agreeing segment bounds its tensor's relative error by |its residual| + its bound: below `need`, it
     excludes an error that large (as a scale error)."""
-    return evidence.outcome == "agree" and abs(evidence.relative_error) + evidence.resolution < need
+    return (evidence.outcome == "agree" and math.isfinite(need)
+            and abs(evidence.relative_error) + evidence.resolution < need)
 
 
-def _group_suspects(groups: list[Segment], segments: dict[str, Segment],
-                    shares: dict[str, list[Share]]) -> dict[str, list[tuple[Segment, str]]]:
+def _group_suspects(groups: list[Segment], segments: dict[str, Segment], shares: dict[str, list[Share]]
+                    ) -> tuple[dict[str, list[tuple[Segment, str]]], list[str], list[tuple[list[str], str]]]:
     """The tensors a disagreeing scaling segment names. Its residual could come from any member m, whose gradient
     would then be wrong along its own values by |residual| ÷ m's part; m is cleared when its own segment, or another
     scaling segment, agrees at a finer resolution than that (an error of that size, as a scale error, would have
-    shown there). The others are named; when every member is cleared, all are (the segment's disagreement stands)."""
+    shown there). The others are named when one tensor is left (or one is suspected by every disagreeing group);
+    when several are, none is named a defect and they are reported as one set (`undecided`: one of them is wrong);
+    when every member is cleared, the disagreement is reported as the whole gradient's (`unexplained`)."""
     named: dict[str, list[tuple[Segment, str]]] = {}
+    unexplained: list[str] = []
     suspected: list[tuple[Segment, list[str], dict[str, float], dict[str, str]]] = []
     for group in (g for g in groups if g.outcome == "disagree"):
         need = _implied_errors(group)
@@ -1905,26 +1930,44 @@ def _group_suspects(groups: list[Segment], segments: dict[str, Segment],
             best = min(evidence, key=lambda x: abs(x.relative_error) + x.resolution, default=None)
             return (f"{m} would need {need[m]:.2g} relative along its values, and its own evidence allows at most "
                     f"{abs(best.relative_error) + best.resolution:.2g}") if best else ""
+        if not need:
+            continue
         reasons = {m: cleared(m) for m in need}
         # a member whose own segment disagrees explains the group by itself
         own = [m for m in need if segments[m].outcome == "disagree"]
         for m in need:
             if own and m not in own and not reasons[m]:
                 reasons[m] = f"{', '.join(own)} disagree{'s' if len(own) == 1 else ''} on {'its' if len(own) == 1 else 'their'} own segment"
-        suspected.append((group, [m for m in need if not reasons[m]] or list(need), need, reasons))
+        suspects = [m for m in need if not reasons[m]]
+        if suspects:
+            suspected.append((group, suspects, need, reasons))
+        else:
+            unexplained.append(f"the scaling segment of {', '.join(group.displacement)} disagrees and no single tensor "
+                               f"of it explains that: {'; '.join(reasons.values())}; {group.evidence()}")
     # one wrong tensor in several disagreeing groups (a layer's bias is in every group upstream of it): the tensors
     # every one of them suspects explain them all
     common = set.intersection(*(set(s) for _, s, _, _ in suspected)) if suspected else set()
+    undecided: list[tuple[list[str], str]] = []
     for group, suspects, need, reasons in suspected:
-        for m in [m for m in suspects if m in common] or suspects:
+        chosen = [m for m in suspects if m in common] or suspects
+        if len(chosen) > 1:  # one of them is wrong and nothing here tells which: none is named a defect
+            if sorted(chosen) not in [u[0] for u in undecided]:
+                needs = ", ".join(f"{m} {need[m]:.2g}" for m in chosen)
+                undecided.append((sorted(chosen), f"one of {' or '.join(sorted(chosen))} is wrong: the scaling segment "
+                                  f"of {', '.join(group.displacement)} disagrees, and the relative error each would need "
+                                  f"along its values ({needs}) is excluded by nothing within the calls"))
+            continue
+        for m in chosen:
             others = [f"{n}: cleared ({reasons[n]})" if reasons[n] else
                       f"{n} is not cleared" + ("" if n in common or not common else
                                                f", but {', '.join(sorted(common))} explain{'s' if len(common) == 1 else ''} "
                                                f"every disagreeing scaling segment") for n in need if n != m]
+            wrong_by = (f"would be wrong by {need[m]:.2g} relative along its values" if math.isfinite(need[m]) else
+                        "gives it no part along its values (∫g·Δ = 0): left at zero, it explains any residual")
             named.setdefault(m, []).append((group, (
                 f"named by the scaling segment of {', '.join(group.displacement)}, which disagrees: {m}'s gradient "
-                f"would be wrong by {need[m]:.2g} relative along its values" + (f"; {'; '.join(others)}" if others else ""))))
-    return named
+                f"{wrong_by}" + (f"; {'; '.join(others)}" if others else ""))))
+    return named, unexplained, undecided
 
 
 def _unresponsive_words(measured: Noise, build: str, precision: str) -> str:

@@ -420,8 +420,9 @@ def float32_resolution(kinds=None, seeds=(0, 1), with_float64: bool = False, sli
                 flagged = sorted(t.name for t in result.tensors.values() if t.verdict == "defect")
                 rows.append({"kind": kind, "build": "float32 + float64" if with_float64 else "float32 only",
                              "seed": seed, "case": case, "slipped": tensor, "verdict": result.verdict,
-                             "defects": ", ".join(flagged),
+                             "defects": ", ".join(flagged + [f"one of {' or '.join(g)}" for g in result.defect_in_one_of]),
                              "named": (flagged == [tensor]) if tensor else (not flagged),
+                             "in_a_set": bool(tensor) and not flagged and any(tensor in g for g in result.defect_in_one_of),
                              "tensors_roundoff": sum(t.verdict == "roundoff" for t in result.tensors.values()),
                              "tensors": len(result.tensors),
                              "worst_resolution": max(resolutions, default=math.nan),
@@ -441,6 +442,7 @@ def resolution_table(rows: pd.DataFrame) -> pd.DataFrame:
                     "resolution (median of worst tensor)": float(right.worst_resolution.median()),
                     "resolution (best tensor)": float(right.best_resolution.min()),
                     "1% slips named": f"{int(slips.named.sum())}/{len(slips)}" if len(slips) else "",
+                    "1% slips: defect in one of a set holding it": f"{int(slips.in_a_set.sum())}/{len(slips)}" if len(slips) else "",
                     "slips called roundoff": f"{(slips.verdict == 'roundoff').sum()}/{len(slips)}" if len(slips) else "",
                     "max calls": int(group.calls.max())})
     return pd.DataFrame(out)
