@@ -1463,8 +1463,9 @@ def check_groups(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation,
     shapes = {name: value.shape for name, value in base.items()}
     total = sum(v.size for v in base.values())
     typical = math.sqrt(sum(float(np.sum(g * g)) for g in at_base.grads.values()) / max(total, 1))
-    open_names = sorted((n for n, s in segments.items() if s.outcome == "agree" and s.resolution > SETTLE_RTOL),
-                        key=lambda n: -segments[n].resolution)
+    # the last layers first: fewer nonlinearities after them, so their groups are the likelier to be homogeneous
+    # (a GELU before a ReLU breaks the first layer's group, not the second's)
+    open_names = [n for n in reversed(segments) if segments[n].outcome == "agree" and segments[n].resolution > SETTLE_RTOL]
     # every scaling segment goes through one point: each tensor any of them may move, at its centre
     scaled = {m for n in open_names for g in homogeneous_groups(shapes, n) for m in g}
     middle = {**base, **{m: scaling_step(base[m], 0.0, storage)[0] for m in scaled}}
@@ -1477,12 +1478,32 @@ def check_groups(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation,
         return min(critical(noise.dof) * math.sqrt(2.0) * noise.loss_sigma
                    / (2.0 * smallest * ROUNDING_SHARE * SETTLE_RTOL), GROUP_REACH)
 
-    def scale(group: tuple[str, ...], panels: int, reach: float) -> Segment:
+    def ends(group: tuple[str, ...], reach: float) -> dict[float, Evaluation]:
+        """The answers at t = ±1 (nodes of the segment on any number of panels) and at its centre."""
+        displacement = {m: scaling_step(base[m], reach, storage)[1] for m in group}
+        if not at_middle:
+            at_middle.append(calls("claimed", middle))
+        return {0.0: at_middle[0], **{t: calls("claimed", _point(middle, displacement, t)) for t in (-1.0, 1.0)}}
+
+    def too_curved(group: tuple[str, ...], reach: float, known: dict[float, Evaluation]) -> bool:
+        """Would the loss's curvature along this reach leave the largest part unsettled on `panels` panels? The
+        trapezoid on 1 and 2 panels differ by 3× the 2-panel error, which shrinks ~(panels/2)² (de Boor's h²) by
+        `panels`; against the (1 − ROUNDING_SHARE) of SETTLE_RTOL of the largest part that is left to quadrature."""
+        displacement = {m: scaling_step(base[m], reach, storage)[1] for m in group}
+        f = {t: _dot(a.grads, displacement) for t, a in known.items()}
+        one, two = f[-1.0] + f[1.0], f[-1.0] / 2 + f[0.0] + f[1.0] / 2
+        largest = max(abs(float(np.sum(known[0.0].grads[m] * displacement[m]))) for m in group)
+        return abs(two - one) / 3 / (panels / 2) ** 2 > (1 - ROUNDING_SHARE) * SETTLE_RTOL * 2 * largest
+
+    def scale(group: tuple[str, ...], panels: int, reach: float,
+              known: dict[float, Evaluation] | None = None) -> Segment:
         nodes = np.linspace(-1.0, 1.0, panels + 1)
         displacement = {m: scaling_step(base[m], reach, storage)[1] for m in group}
         if not at_middle:
             at_middle.append(calls("claimed", middle))
-        answers = [at_middle[0] if t == 0.0 else calls("claimed", _point(middle, displacement, float(t))) for t in nodes]
+        known = {0.0: at_middle[0], **(known or {})}
+        answers = [known[float(t)] if float(t) in known else calls("claimed", _point(middle, displacement, float(t)))
+                   for t in nodes]
         losses = np.array([a.loss for a in answers])
         growth = float(np.max(np.abs(losses[[0, -1]]))) / abs(at_base.loss) if at_base.loss else 1.0
         step_norm = math.sqrt(sum(float(np.sum(d * d)) for d in displacement.values()))
@@ -1525,7 +1546,14 @@ def check_groups(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation,
             tried.add(group)
             if not any(np.any(at_base.grads[m] * base[m]) for m in group):
                 continue
-            done.append(scale(group, panels, reach_for(group)))
+            reach, shorter, known = reach_for(group), reach_for(group, for_largest=True), None
+            if shorter < reach and calls.left >= panels + 2:
+                # two calls at the long reach's ends first (its own nodes): a loss too curved there (a cross-entropy
+                # over 1 ± 0.75 of its logits) takes the reach the largest part needs instead
+                known = ends(group, reach)
+                if too_curved(group, reach, known):
+                    reach, known = shorter, None
+            done.append(scale(group, panels, reach, known))
             if not kinked(done[-1]):
                 # a reach long enough for the small parts may leave the loss too curved along it (a cross-entropy over
                 # 1 ± 0.75 of its logits): then the reach its largest part needs, with the calls left
