@@ -1455,8 +1455,10 @@ def check_groups(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation,
     winner, so the loss has no kink along it (positive homogeneity) and the segment identity resolves g·Δ to the
     loss difference's rounding, ~u·cond, instead of the ~1e-3 – 1e-2 that thousands of kinks leave. Its reach h is
     the one at which the rounding bound takes ROUNDING_SHARE of SETTLE_RTOL of the smallest member's ∫g·w (≤
-    GROUP_REACH). Each member's part ∫ g_m·Δ_m is kept (`Share`). A group that is not homogeneous for this
-    program shows kinks in the ratio test, and the next candidate (the layer alone) is tried while calls last.
+    GROUP_REACH), or, when two calls at its ends say the loss is too curved there (`too_curved`), the one its
+    largest member needs. Each member's part ∫ g_m·Δ_m is kept (`Share`). The last layers go first. A group that
+    is not homogeneous for this program shows kinks in the ratio test, and the next candidate (the layer alone)
+    is tried while calls last.
     A group that disagrees cannot say which member is wrong: each of its weights is then scaled alone (its units
     cross zero only where the bias outweighs the rest of the pre-activation: few kinks), with the calls left."""
     critical = lambda dof: t_critical(ALPHA, dof)
@@ -1475,6 +1477,8 @@ def check_groups(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation,
         parts = {m: abs(float(np.sum(at_base.grads[m] * base[m]))) for m in group}
         largest = max(parts.values())
         smallest = largest if for_largest else min(v for v in parts.values() if v >= GROUP_PART_FLOOR * largest)
+        if smallest <= 0:  # g·w sums to 0 (its terms cancel): no part asks for a length; the longest
+            return GROUP_REACH
         return min(critical(noise.dof) * math.sqrt(2.0) * noise.loss_sigma
                    / (2.0 * smallest * ROUNDING_SHARE * SETTLE_RTOL), GROUP_REACH)
 
