@@ -14,6 +14,17 @@ For one sum s = Σ xᵢ·yᵢ of n terms computed at unit roundoff u, with S = �
   subnormal spacing), independent and of mean zero per operand, so their effect on a sum is at
   most λ·√(2·Σ(r(x)²y² + x²r(y)²)) (Hoeffding's inequality on the operands, as Higham & Mary 2019, §2).
 
+Repeated values break the probabilistic model's premise. Adding the same value c to a long running sum
+rounds the same way every time within a binade of the sum (the error is c's residue on the sum's
+grid), so the errors add up like n·u·S, not √n·u·S (stagnation; a sum of 2¹⁵ equal float32 terms
+sequentially is ~5× the γ̃ₙ(λ)·S bound, of 2²¹ ~50×). It happens where a gradient is broadcast: a
+bias gradient behind a global average pool or a mean loss is a sum of n equal terms (masked by a
+ReLU: equal or zero), and a Fortran loop, a Rust iterator or GPU atomics add them one by one.
+`sequential_drift` simulates that on the quantity's own terms: the largest error of a sequential
+float32 sum in several orders (raster, reversed, columns first, shuffled, 2 – 1024 lanes); the own part is the larger
+of γ̃ₙ(λ)·S and DRIFT_MARGIN times it. On terms that are not repeated values the simulated error
+is the random walk γ̃ₙ(λ)·S already covers with λ = 7 to spare, so the bound is unchanged there.
+
 Errors that enter a long sum from upstream are mean-zero but dependent (each depends on the
 roundings within a few pixels): `sum_of_errors` bounds Σ cᵢeᵢ by the smaller of Σ|cᵢ|Eᵢ and
 λ·√(χ*·Σcᵢ²Eᵢ²), Hoeffding's inequality for sums with a dependency graph of fractional
@@ -94,6 +105,61 @@ def sum_of_errors(deterministic: torch.Tensor, squares: torch.Tensor, chi: int, 
     failing with probability ≤ 2·exp(−λ²/2).
     """
     return torch.minimum(deterministic, lam * torch.sqrt(chi * squares))
+
+
+#: the simulated orders' largest error × this is the own part of a sum of repeated values: the other
+#: legitimate orders and the candidate's own slightly different terms stay within 1.3× the simulated
+#: worst on every family `benchmarks/repeated_values.py` measures (constant, masked constant, two
+#: values, near-constant, coherent normal; 2¹⁵ and 2²¹ terms): 2 leaves that margin and more
+DRIFT_MARGIN = 2.0
+
+#: fixed seed of the shuffled order (GPU atomics add in whatever order the threads arrive)
+DRIFT_SHUFFLE_SEED = 12345
+
+
+#: lane counts simulated: k accumulators over interleaved terms, then added (SIMD lanes, tiles, split
+#: sums); each halving of the partial sums moves the repeated value's residue to another binade's grid
+DRIFT_LANES = tuple(2 ** j for j in range(1, 11))
+
+
+def sequential_drift(terms: torch.Tensor, precision: str = "float32") -> torch.Tensor:
+    """Largest |sequential sum − exact sum| of each row's terms, over the orders a loop or atomics use.
+
+    `terms` (rows, ...): each row's remaining axes are summed (for a bias gradient: batch, H, W). The
+    terms are rounded to the accumulation format and added one by one in it: in raster order, reversed,
+    with the last two axes swapped (column-major loops), in one shuffled order (atomics), and in
+    DRIFT_LANES interleaved accumulators; the exact sum is that of the same rounded terms in a wider
+    format. Returns float64 (rows,); zeros where no wider format is at hand (a float64 claim on a
+    machine whose np.longdouble is float64).
+    """
+    import numpy as np
+
+    acc = accumulation_precision(precision)
+    dtype, wide = (np.float32, np.float64) if acc == "float32" else (np.float64, np.longdouble)
+    drift = torch.zeros(terms.shape[0], dtype=torch.float64)
+    if np.finfo(wide).nmant <= np.finfo(dtype).nmant or terms[0].numel() < 2:
+        return drift
+    n = terms[0].numel()
+    shuffle = np.random.default_rng(DRIFT_SHUFFLE_SEED).permutation(n)
+
+    def sequential(order):
+        return np.add.accumulate(order)[-1]
+
+    for row in range(terms.shape[0]):
+        values = terms[row].detach().to("cpu", torch.float64).numpy().astype(dtype)
+        flat = values.reshape(-1)
+        exact = flat.astype(wide).sum()
+        sums = [sequential(flat), sequential(flat[::-1]), sequential(flat[shuffle])]
+        if values.ndim >= 2:
+            sums.append(sequential(np.swapaxes(values, -1, -2).reshape(-1)))
+        for lanes in DRIFT_LANES:
+            if lanes * 2 > n:
+                break
+            whole = n - n % lanes  # numpy reduces along axis 0 row after row: each lane sequential
+            lane_sums = np.add.reduce(flat[:whole].reshape(-1, lanes), axis=0)
+            sums.append(sequential(np.concatenate([lane_sums, flat[whole:]])))
+        drift[row] = max(abs(float(np.asarray(total, wide) - exact)) for total in sums)
+    return drift
 
 
 def operand_rounding(x: torch.Tensor, precision: str) -> torch.Tensor:

@@ -180,6 +180,24 @@ register(Candidate(name="layered-native", description="the backward written out 
                    "(not autograd)", run=_with_kernels(Kernels()), family="legitimate", expected="roundoff"))
 
 
+def _bias_sequential(op, attrs, g, xs, y, params, kernels, need):
+    # a loop (or atomics) with one accumulator per channel: the order that stagnates on repeated values
+    grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
+    if "bias" in param_grads:
+        rows = (g.movedim(1, 0) if g.dim() == 4 else g.T).reshape(g.shape[1], -1)
+        terms = rows.detach().cpu().numpy()
+        param_grads["bias"] = torch.from_numpy(sum_sequential(terms).copy()).to(g.device)
+    return grads, param_grads
+
+
+register(Candidate(name="bias-sequential", description="bias gradients summed over batch·H·W left to right, one "
+                   "accumulator per channel (a loop, or atomics)",
+                   run=lambda problem, precision, device: forward_backward(
+                       problem, precision, device,
+                       rules={op: BackwardReplaced(OPS[op], _bias_sequential) for op in ("conv2d", "linear")}),
+                   family="legitimate", expected="roundoff", applies=lambda n: bool(n.bias_names)))
+
+
 def _micro_batched(problem: Problem, precision: str, device: torch.device) -> Result:
     # gradient accumulation: one image at a time, each loss a mean over its own positions, averaged
     parts = [forward_backward(problem.with_batch(b, b + 1), precision, device) for b in range(problem.batch)]

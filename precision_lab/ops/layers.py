@@ -159,7 +159,7 @@ class Conv2d(Op):
                                     grad.flip_count)
         bias_parts = None
         if "bias" in params:  # before the weight part, which may square the gradient's error in place
-            bias_parts = _bias_parts(g_abs, grad, (0, 2, 3), self._chi(attrs, grad.radius, g), ctx)
+            bias_parts = _bias_parts(g, g_abs, grad, (0, 2, 3), self._chi(attrs, grad.radius, g), ctx)
         parts = {"weight": self._weight_grad_parts(attrs, g_abs, grad, flip_points, ins[0], tuple(w.shape), ctx)}
         if bias_parts is not None:
             parts["bias"] = bias_parts
@@ -277,16 +277,25 @@ def _max_radius(a, b):
     return None if a is None or b is None else max(a, b)
 
 
-def _bias_parts(g_abs, grad: GradField, dims, chi: int, ctx: BoundContext) -> Parts:
-    """Σ of the output gradient over batch (and pixels): S = Σ|g|, its errors as dependent mean-zero terms."""
+def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext) -> Parts:
+    """Σ of the output gradient over batch (and pixels): S = Σ|g|, its errors as dependent mean-zero terms.
+
+    The own part is γ̃ₙ(λ)·S, or DRIFT_MARGIN × the simulated sequential sums' error where that is larger:
+    a gradient broadcast by a global pool or a mean loss is n equal terms, which stagnate
+    (`roundoff.sequential_drift`)."""
     n = 1
     for d in dims:
         n *= g_abs.shape[d]
     abs_sum = g_abs.sum(dim=dims)
+    own = ctx.gamma(n) * abs_sum
+    if n > 1:
+        per_channel = g.movedim(1, 0) if g.dim() == 4 else g.T
+        drift = roundoff.sequential_drift(per_channel, ctx.precision).to(own.device, own.dtype)
+        own = torch.maximum(own, roundoff.DRIFT_MARGIN * drift)
     propagated = ctx.sum_of_errors(grad.error.sum(dim=dims), _sum_of_squares(grad.error, dims), chi)
     if _has(grad.flips):
         propagated = propagated + grad.flips.sum(dim=dims)
-    return Parts(n, abs_sum, ctx.gamma(n) * abs_sum, 0.0, propagated, grad.flip_count)
+    return Parts(n, abs_sum, own, 0.0, propagated, grad.flip_count)
 
 
 class Linear(Op):
@@ -377,7 +386,7 @@ class Linear(Op):
         parts = {"weight": Parts(n, abs_sum, ctx.gamma(n) * abs_sum, rounding, propagated,
                                  grad.flip_count + ins[0].flips)}
         if "bias" in params:
-            parts["bias"] = _bias_parts(g_abs, grad, (0,), 1, ctx)
+            parts["bias"] = _bias_parts(g, g_abs, grad, (0,), 1, ctx)
         return [input_field], parts
 
 

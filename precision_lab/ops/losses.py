@@ -3,6 +3,8 @@
 Each loss gives its value and ∂loss/∂output (the start of every backward) and its part of the
 error model: the loss's own bound and the error of ∂loss/∂output from the output's error E_y.
 
+* both: the mean's own rounding is γ̃ₙ(λ)·S, or more where the terms repeat (a constant residual,
+  uniform logits: `roundoff.sequential_drift`).
 * mse: loss = Σr²/N with r = y − t: N positive terms (S = loss); the output error enters to first
   order through 2|r|/N and to second through E_y²/N. ∂loss/∂y = 2r/N, computed with two roundings
   (the subtraction and the scaling: γ₂, Higham 2002 Lemma 3.1) on top of 2E_y/N.
@@ -47,7 +49,7 @@ class MSE:
         residual = (y.double() - target.double()).to(torch.float32)
         n_out = residual.numel()
         loss_sum = torch.tensor([float(loss)], dtype=torch.float64, device=y.device)
-        accumulation = ctx.gamma(n_out + 2) * loss_sum
+        accumulation = _own_part(ctx.gamma(n_out + 2) * loss_sum, residual * residual, n_out, ctx)
         error = out.error if out.error is not None else torch.zeros_like(residual)
         chi = roundoff.dependency_count(out.radius, _pixels(y)) * _channels(y)
         first_order = ctx.sum_of_errors((residual.abs() * error).sum().double(),
@@ -56,6 +58,13 @@ class MSE:
         grad_error = (2.0 / n_out) * (error + roundoff.gamma(2, ctx.u) * residual.abs())
         return (Parts(n_out, loss_sum, accumulation, 0.0, propagated, out.flips),
                 GradField(grad_error, None, out.radius, 0))
+
+
+def _own_part(accumulation: torch.Tensor, terms: torch.Tensor, count: int, ctx) -> torch.Tensor:
+    """The mean's own rounding: γ̃·S, or DRIFT_MARGIN × the simulated sequential sums' error ÷ count where
+    the terms repeat (equal residuals or losses at every position stagnate: `roundoff.sequential_drift`)."""
+    drift = roundoff.sequential_drift(terms.reshape(1, -1), ctx.precision) / count
+    return torch.maximum(accumulation, roundoff.DRIFT_MARGIN * drift.to(accumulation.device, accumulation.dtype))
 
 
 def _pixels(y: torch.Tensor) -> int:
@@ -114,7 +123,8 @@ class CrossEntropy:
         chi = roundoff.dependency_count(out.radius, _pixels(z))
         propagated = ctx.sum_of_errors(propagated_each.sum(), (propagated_each ** 2).sum(), chi) / count
         loss_sum = torch.tensor([float(loss)], dtype=torch.float64, device=z.device)
-        parts = Parts(count, loss_sum, ctx.gamma(count + 1) * loss_sum, (evaluation.sum() / count).reshape(1),
+        own = _own_part(ctx.gamma(count + 1) * loss_sum, lse - z_t, count, ctx)
+        parts = Parts(count, loss_sum, own, (evaluation.sum() / count).reshape(1),
                       propagated.reshape(1), out.flips)
         onehot = torch.zeros_like(p).scatter_(1, target.unsqueeze(1), 1.0)
         relative = (k + 8 + z.abs() + lse.abs() + (z - m).abs()) * u + torch.expm1(error + weighted)

@@ -1,0 +1,83 @@
+"""Sums of repeated values: a broadcast gradient summed one term at a time is rounding, not a defect."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from precision_lab import roundoff
+from precision_lab.candidates import registry
+from precision_lab.compute import forward_backward
+from precision_lab.model import load_model
+from precision_lab.ops import OPS, BackwardReplaced
+from precision_lab.problem import make_problem
+from precision_lab.reference import reference
+from precision_lab.verdict import judge
+
+U = 2.0 ** -24
+
+#: a classifier ending in a global average pool: conv2's output gradient is one value per image and channel
+GAP_CLASSIFIER = {"name": "gap-classifier", "input_channels": 1, "loss": "cross_entropy", "layers": [
+    {"name": "conv1", "op": "conv2d", "in": 1, "out": 4, "kernel": 3, "padding": 1},
+    {"name": "act1", "op": "relu"},
+    {"name": "conv2", "op": "conv2d", "in": 4, "out": 8, "kernel": 3, "padding": 1},
+    {"name": "act2", "op": "relu"},
+    {"name": "pool", "op": "avg_pool2d", "kernel": 64},
+    {"name": "flat", "op": "flatten"},
+    {"name": "fc", "op": "linear", "in": 8, "out": 10}]}
+
+
+def test_equal_terms_break_the_probabilistic_bound_and_the_simulation_sees_it():
+    n = 2 * 128 * 128
+    worst_ratio = 0.0
+    for value in (3.7e-5, 1.3e-3, 0.21, 7.77):
+        terms = torch.full((1, 2, 128, 128), value, dtype=torch.float32)
+        exact = float(terms.double().sum())
+        flat = terms.numpy().reshape(-1)
+        raster = float(np.add.accumulate(flat)[-1])
+        four_lanes = float(np.add.accumulate(np.add.reduce(flat.reshape(-1, 4), axis=0))[-1])  # a SIMD loop
+        worst = max(abs(raster - exact), abs(four_lanes - exact))
+        drift = float(roundoff.sequential_drift(terms)[0])
+        assert drift >= worst  # both orders are among the simulated ones
+        assert drift < roundoff.gamma(n, U) * exact  # and none exceeds the deterministic bound
+        worst_ratio = max(worst_ratio, worst / (roundoff.probabilistic_gamma(n, U) * exact))
+    assert worst_ratio > 2  # stagnation: the probabilistic model's premise fails on equal terms
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_terms_that_do_not_repeat_keep_the_probabilistic_bound(seed):
+    n = 2 * 64 * 64
+    terms = torch.from_numpy(np.random.default_rng(seed).normal(0.3, 1.0, (3, 2, 64, 64)).astype(np.float32))
+    drift = roundoff.sequential_drift(terms)
+    probabilistic = roundoff.probabilistic_gamma(n, U) * terms.double().abs().sum(dim=(1, 2, 3))
+    assert torch.all(roundoff.DRIFT_MARGIN * drift < probabilistic / 4)
+
+
+def _with_bias(transform):
+    def backward(op, attrs, g, xs, y, params, kernels, need):
+        grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
+        if "bias" in param_grads and attrs.get("out") == 8 and g.dim() == 4:
+            param_grads["bias"] = transform(param_grads["bias"])
+        return grads, param_grads
+
+    return {"conv2d": BackwardReplaced(OPS["conv2d"], backward)}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_bias_gradient_summed_term_by_term_behind_a_global_pool_is_roundoff(seed):
+    network = load_model(GAP_CLASSIFIER)
+    problem = make_problem(64, 2, seed, network=network)
+    trace = reference(problem)
+    candidate = registry()["bias-sequential"]
+    result = candidate.run(problem, "float32", torch.device("cpu"))
+    judgement = judge(result, trace, "float32", candidate.name, hypotheses=False, fingerprint=False)
+    assert judgement.verdict == "roundoff", judgement.summary()
+    # the error it makes is beyond what γ̃ₙ(λ)·S alone allowed (the bound before the simulation)
+    g_sum = np.asarray(trace.grads["conv2.bias"], np.float64)
+    error = np.abs(result.grads["conv2.bias"].astype(np.float64) - g_sum)
+    bound = trace.meta["error_bounds"][("float32", roundoff.LAMBDA)]["conv2.bias"]
+    probabilistic_only = roundoff.probabilistic_gamma(2 * 64 * 64, U) * np.asarray(bound.abs_sum)
+    assert np.max(error / probabilistic_only) > 1.5
+    for transform in (lambda b: 0.9 * b, torch.zeros_like):  # 10% short, no gradient: still defects
+        slipped = forward_backward(problem, "float32", "cpu", rules=_with_bias(transform))
+        assert judge(slipped, trace, "float32", "slip", hypotheses=False, fingerprint=False).verdict == "defect"
