@@ -136,9 +136,9 @@ def sequential_drift(terms: torch.Tensor, precision: str = "float32") -> torch.T
 
     acc = accumulation_precision(precision)
     dtype, wide = (np.float32, np.float64) if acc == "float32" else (np.float64, np.longdouble)
-    drift = torch.zeros(terms.shape[0], dtype=torch.float64)
+    drift = np.zeros(terms.shape[0])
     if np.finfo(wide).nmant <= np.finfo(dtype).nmant or terms[0].numel() < 2:
-        return drift
+        return torch.from_numpy(drift)
     n = terms[0].numel()
     shuffle = np.random.default_rng(DRIFT_SHUFFLE_SEED).permutation(n)
 
@@ -159,7 +159,7 @@ def sequential_drift(terms: torch.Tensor, precision: str = "float32") -> torch.T
             lane_sums = np.add.reduce(flat[:whole].reshape(-1, lanes), axis=0)
             sums.append(sequential(np.concatenate([lane_sums, flat[whole:]])))
         drift[row] = max(abs(float(np.asarray(total, wide) - exact)) for total in sums)
-    return drift
+    return torch.from_numpy(drift)
 
 
 def operand_rounding(x: torch.Tensor, precision: str) -> torch.Tensor:
