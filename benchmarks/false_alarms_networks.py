@@ -1,12 +1,12 @@
 """False alarms on the example networks: every legitimate order of the zoo judged on many seeds.
 
     python benchmarks/false_alarms_networks.py SPEC SIZE [--seeds 100] [--first 0] [--batch 2] [--probes]
-        [--no-fingerprint]
+        [--no-fingerprint] [--candidates NAME,NAME]
 
 Each seed's problem gets its float64 reference and bounds (sampled where precision_lab.sampled applies);
 every legitimate zoo candidate that applies to the network is judged as `diagnose` judges one problem
 (hypotheses off: they only name a defect's cause; `--no-fingerprint`: the bound and its certification
-only, the part the propagation model decides). `--probes`: each seed's default probes too, and
+only, the part the propagation model decides; `--candidates`: only these legitimate ones). `--probes`: each seed's default probes too, and
 the requested problem's quantities its bound cannot certify settled by them as diagnose settles them. Prints the count of verdicts
 other than `roundoff` per candidate, the largest error ÷ bound and the largest ‖bound‖ ÷ ‖quantity‖.
 """
@@ -36,9 +36,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--probes", action="store_true")
     parser.add_argument("--no-fingerprint", action="store_true")
+    parser.add_argument("--candidates", default="", help="comma-separated legitimate candidates (default: all)")
     args = parser.parse_args()
     network = load_model(args.spec)
     candidates = [c for c in registry().values() if c.family == "legitimate" and c.applies_to(network)]
+    if args.candidates:
+        wanted = args.candidates.split(",")
+        unknown = sorted(set(wanted) - {c.name for c in candidates})
+        if unknown:
+            parser.error(f"not a legitimate candidate that applies to {args.spec}: {', '.join(unknown)}")
+        candidates = [c for c in candidates if c.name in wanted]
     alarms = {c.name: 0 for c in candidates}
     worst_ratio, worst_fraction, start = 0.0, 0.0, time.time()
     for seed in range(args.first, args.first + args.seeds):
