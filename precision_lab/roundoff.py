@@ -122,44 +122,93 @@ DRIFT_SHUFFLE_SEED = 12345
 DRIFT_LANES = tuple(2 ** j for j in range(1, 11))
 
 
-def sequential_drift(terms: torch.Tensor, precision: str = "float32") -> torch.Tensor:
-    """Largest |sequential sum − exact sum| of each row's terms, over the orders a loop or atomics use.
+#: columns simulated at once (each pass copies n × this many terms)
+DRIFT_BLOCK = 16
 
-    `terms` (rows, ...): each row's remaining axes are summed (for a bias gradient: batch, H, W). The
-    terms are rounded to the accumulation format and added one by one in it: in raster order, reversed,
-    with the last two axes swapped (column-major loops), in one shuffled order (atomics), and in
-    DRIFT_LANES interleaved accumulators; the exact sum is that of the same rounded terms in a wider
-    format. Returns float64 (rows,); zeros where no wider format is at hand (a float64 claim on a
-    machine whose np.longdouble is float64).
-    """
+#: a factor's entries "repeat" when at least this fraction of a sample of DRIFT_SAMPLE of them (zeros
+#: left out: they add exactly) share their value with another: one value carrying a fraction f of n terms
+#: drifts by ~0.24·f·n·u·S, past half of γ̃ₙ(λ)·S once f > 15/√n (1% at 2²¹ terms)
+REPEAT_FRACTION = 0.005
+DRIFT_SAMPLE = 4096
+
+
+def _widths(precision: str):
     import numpy as np
 
     acc = accumulation_precision(precision)
     dtype, wide = (np.float32, np.float64) if acc == "float32" else (np.float64, np.longdouble)
-    drift = np.zeros(terms.shape[0])
-    if np.finfo(wide).nmant <= np.finfo(dtype).nmant or terms[0].numel() < 2:
-        return torch.from_numpy(drift)
-    n = terms[0].numel()
+    return dtype, wide, np.finfo(wide).nmant > np.finfo(dtype).nmant
+
+
+def column_drift(columns, grid: tuple | None = None, precision: str = "float32"):
+    """Largest |sequential sum − exact sum| of each column of `columns` (n, E), over the orders a loop or
+    atomics use: raster, reversed, the last two axes of `grid` (n = Π grid, raster order) swapped
+    (column-major loops), one shuffled order, and DRIFT_LANES interleaved accumulators.
+
+    The terms are rounded to the accumulation format and added in it; the exact sum is that of the same
+    rounded terms in a wider format. numpy reduces a 2-D array along axis 0 row after row (sequentially,
+    for every column at once); a single column is given a zero partner, which adds nothing. Returns
+    float64 (E,); zeros where no wider format is at hand (a float64 claim where np.longdouble is float64).
+    """
+    import numpy as np
+
+    dtype, wide, can = _widths(precision)
+    n, width = columns.shape
+    drift = np.zeros(width)
+    if not can or n < 2:
+        return drift
     shuffle = np.random.default_rng(DRIFT_SHUFFLE_SEED).permutation(n)
-
-    def sequential(order):
-        return np.add.accumulate(order)[-1]
-
-    for row in range(terms.shape[0]):
-        values = terms[row].detach().to("cpu", torch.float64).numpy().astype(dtype)
-        flat = values.reshape(-1)
-        exact = flat.astype(wide).sum()
-        sums = [sequential(flat), sequential(flat[::-1]), sequential(flat[shuffle])]
-        if values.ndim >= 2:
-            sums.append(sequential(np.swapaxes(values, -1, -2).reshape(-1)))
+    for first in range(0, width, DRIFT_BLOCK):
+        block = np.asarray(columns[:, first:first + DRIFT_BLOCK], dtype)
+        if block.shape[1] == 1:
+            block = np.concatenate([block, np.zeros_like(block)], axis=1)
+        exact = block.astype(wide).sum(axis=0)
+        orders = [block, block[::-1], block[shuffle]]
+        if grid is not None and len(grid) >= 2:
+            orders.append(np.swapaxes(block.reshape(*grid, -1), -2, -3).reshape(n, -1))
+        sums = [np.add.reduce(order, axis=0) for order in orders]
         for lanes in DRIFT_LANES:
             if lanes * 2 > n:
                 break
-            whole = n - n % lanes  # numpy reduces along axis 0 row after row: each lane sequential
-            lane_sums = np.add.reduce(flat[:whole].reshape(-1, lanes), axis=0)
-            sums.append(sequential(np.concatenate([lane_sums, flat[whole:]])))
-        drift[row] = max(abs(float(np.asarray(total, wide) - exact)) for total in sums)
-    return torch.from_numpy(drift)
+            whole = n - n % lanes
+            lane_sums = np.add.reduce(block[:whole].reshape(-1, lanes, block.shape[1]), axis=0)
+            sums.append(np.add.reduce(np.concatenate([lane_sums, block[whole:]]), axis=0))
+        worst = np.max([np.abs(total.astype(wide) - exact) for total in sums], axis=0).astype(np.float64)
+        drift[first:first + DRIFT_BLOCK] = worst[:min(DRIFT_BLOCK, width - first)]
+    return drift
+
+
+def sequential_drift(terms: torch.Tensor, precision: str = "float32") -> torch.Tensor:
+    """`column_drift` of each row of `terms` (rows, ...): the remaining axes are summed (for a bias
+    gradient: batch, H, W, in that raster order). float64 (rows,) on the CPU."""
+    rows = terms.shape[0]
+    dtype, _, _ = _widths(precision)
+    values = terms.detach().to("cpu", torch.float64).reshape(rows, -1).numpy()
+    grid = tuple(terms.shape[1:])
+    return torch.from_numpy(column_drift(values.T.astype(dtype), grid, precision))
+
+
+def repeats(values: torch.Tensor, n: int, precision: str = "float32") -> bool:
+    """Whether a factor's nonzero entries repeat (REPEAT_FRACTION of a sample share a value) or are
+    near-constant (their spread below 2u·n·|mean|, the spacing of an n-term running sum of them): in a
+    sum of n products, only where both factors do can the products stagnate."""
+    import numpy as np
+
+    flat = values.detach().reshape(-1)
+    if flat.numel() > DRIFT_SAMPLE:
+        index = torch.from_numpy(np.random.default_rng(DRIFT_SHUFFLE_SEED).choice(flat.numel(), DRIFT_SAMPLE,
+                                                                                 replace=False)).to(flat.device)
+        flat = flat[index]
+    sample = flat.to("cpu", torch.float32).numpy()
+    sample = sample[sample != 0]
+    if sample.size < 2:
+        return False
+    _, inverse, counts = np.unique(sample, return_inverse=True, return_counts=True)
+    if np.mean(counts[inverse] > 1) >= REPEAT_FRACTION:
+        return True
+    mean = float(np.mean(sample.astype(np.float64)))
+    u = formats.unit_roundoff(accumulation_precision(precision))
+    return mean != 0 and float(np.std(sample.astype(np.float64))) <= 2 * u * n * abs(mean)
 
 
 def operand_rounding(x: torch.Tensor, precision: str) -> torch.Tensor:

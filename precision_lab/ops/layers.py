@@ -160,7 +160,11 @@ class Conv2d(Op):
         bias_parts = None
         if "bias" in params:  # before the weight part, which may square the gradient's error in place
             bias_parts = _bias_parts(g, g_abs, grad, (0, 2, 3), self._chi(attrs, grad.radius, g), ctx)
+        drift = _conv_weight_drift(g, ins[0].value, attrs, tuple(w.shape), ctx)
         parts = {"weight": self._weight_grad_parts(attrs, g_abs, grad, flip_points, ins[0], tuple(w.shape), ctx)}
+        if drift is not None:
+            own = parts["weight"].accumulation
+            parts["weight"].accumulation = torch.maximum(own, roundoff.DRIFT_MARGIN * drift.to(own.device, own.dtype))
         if bias_parts is not None:
             parts["bias"] = bias_parts
         return [input_field], parts
@@ -275,6 +279,36 @@ def _has(t) -> bool:
 
 def _max_radius(a, b):
     return None if a is None or b is None else max(a, b)
+
+
+def _conv_weight_drift(g, a, attrs, weight_shape, ctx: BoundContext):
+    """The simulated sequential sums' error (`roundoff.column_drift`) of the weight-gradient elements whose
+    two factors both repeat (`roundoff.repeats`: a broadcast gradient times a quantised image, say); None
+    where no pair does. Other products take continuous values, whose rounding errors average out."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    c_out, per_group, kh, kw = weight_shape
+    n = g.shape[0] * g.shape[2] * g.shape[3]
+    outs_per_group = c_out // attrs["groups"]
+    g_repeats = [roundoff.repeats(g[:, co], n, ctx.precision) for co in range(c_out)]
+    if not any(g_repeats):
+        return None
+    a_repeats = [roundoff.repeats(a[:, ci], n, ctx.precision) for ci in range(a.shape[1])]
+    pairs = [(co, ci) for co in range(c_out) if g_repeats[co]
+             for ci in range(per_group) if a_repeats[co // outs_per_group * per_group + ci]]
+    if not pairs:
+        return None
+    drift = torch.zeros(weight_shape, dtype=torch.float64, device="cpu")
+    grid = (g.shape[0], g.shape[2], g.shape[3])
+    for co, ci in pairs:
+        channel = co // outs_per_group * per_group + ci
+        cols = F.unfold(a[:, channel:channel + 1].to(torch.float32), (kh, kw), dilation=attrs["dilation"],
+                        padding=attrs["padding"], stride=attrs["stride"])  # (N, kh·kw, L)
+        products = g[:, co].to(torch.float32).reshape(g.shape[0], 1, -1) * cols  # float32 products, as computed
+        columns = products.permute(0, 2, 1).reshape(n, kh * kw).cpu().numpy()  # raster order (batch, row, column)
+        drift[co, ci] = torch.from_numpy(np.asarray(roundoff.column_drift(columns, grid, ctx.precision))).view(kh, kw)
+    return drift
 
 
 def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext) -> Parts:
