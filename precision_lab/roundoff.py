@@ -178,14 +178,18 @@ def column_drift(columns, grid: tuple | None = None, precision: str = "float32")
     return drift
 
 
+def as_terms(values: torch.Tensor, precision: str = "float32"):
+    """A tensor's values as the accumulation format holds them, in a numpy array on the CPU."""
+    dtype, _, _ = _widths(precision)
+    torch_dtype = torch.float32 if dtype.__name__ == "float32" else torch.float64
+    return values.detach().to("cpu", torch_dtype).contiguous().numpy()
+
+
 def sequential_drift(terms: torch.Tensor, precision: str = "float32") -> torch.Tensor:
     """`column_drift` of each row of `terms` (rows, ...): the remaining axes are summed (for a bias
     gradient: batch, H, W, in that raster order). float64 (rows,) on the CPU."""
-    rows = terms.shape[0]
-    dtype, _, _ = _widths(precision)
-    values = terms.detach().to("cpu", torch.float64).reshape(rows, -1).numpy()
-    grid = tuple(terms.shape[1:])
-    return torch.from_numpy(column_drift(values.T.astype(dtype), grid, precision))
+    columns = as_terms(terms.reshape(terms.shape[0], -1).T, precision)
+    return torch.from_numpy(column_drift(columns, tuple(terms.shape[1:]), precision))
 
 
 def repeats(values: torch.Tensor, n: int, precision: str = "float32") -> bool:

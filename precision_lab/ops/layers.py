@@ -314,18 +314,24 @@ def _conv_weight_drift(g, a, attrs, weight_shape, ctx: BoundContext):
 def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext) -> Parts:
     """Σ of the output gradient over batch (and pixels): S = Σ|g|, its errors as dependent mean-zero terms.
 
-    The own part is γ̃ₙ(λ)·S, or DRIFT_MARGIN × the simulated sequential sums' error where that is larger:
-    a gradient broadcast by a global pool or a mean loss is n equal terms, which stagnate
-    (`roundoff.sequential_drift`)."""
+    The own part is γ̃ₙ(λ)·S, or DRIFT_MARGIN × the simulated sequential sums' error where that is larger,
+    for the channels whose terms repeat (`roundoff.repeats`): a gradient broadcast by a global pool or a
+    mean loss is n equal terms, which stagnate (`roundoff.column_drift`)."""
     n = 1
     for d in dims:
         n *= g_abs.shape[d]
     abs_sum = g_abs.sum(dim=dims)
     own = ctx.gamma(n) * abs_sum
     if n > 1:
-        per_channel = g.movedim(1, 0) if g.dim() == 4 else g.T
-        drift = roundoff.sequential_drift(per_channel, ctx.precision).to(own.device, own.dtype)
-        own = torch.maximum(own, roundoff.DRIFT_MARGIN * drift)
+        # one column per channel that repeats, its terms in raster order (batch, row, column)
+        channels = [c for c in range(g.shape[1]) if roundoff.repeats(g[:, c], n, ctx.precision)]
+        if channels:
+            picked = g[:, channels]
+            columns = (picked.permute(0, 2, 3, 1) if g.dim() == 4 else picked).reshape(n, -1)
+            grid = (g.shape[0], g.shape[2], g.shape[3]) if g.dim() == 4 else None
+            drift = roundoff.column_drift(roundoff.as_terms(columns, ctx.precision), grid, ctx.precision)
+            scaled = roundoff.DRIFT_MARGIN * torch.from_numpy(drift).to(own.device, own.dtype)
+            own[channels] = torch.maximum(own[channels], scaled)
     propagated = ctx.sum_of_errors(grad.error.sum(dim=dims), _sum_of_squares(grad.error, dims), chi)
     if _has(grad.flips):
         propagated = propagated + grad.flips.sum(dim=dims)

@@ -62,7 +62,9 @@ class MSE:
 
 def _own_part(accumulation: torch.Tensor, terms: torch.Tensor, count: int, ctx) -> torch.Tensor:
     """The mean's own rounding: γ̃·S, or DRIFT_MARGIN × the simulated sequential sums' error ÷ count where
-    the terms repeat (equal residuals or losses at every position stagnate: `roundoff.sequential_drift`)."""
+    the terms repeat (`roundoff.repeats`: equal residuals or losses at every position stagnate)."""
+    if not roundoff.repeats(terms, count, ctx.precision):
+        return accumulation
     drift = roundoff.sequential_drift(terms.reshape(1, -1), ctx.precision) / count
     return torch.maximum(accumulation, roundoff.DRIFT_MARGIN * drift.to(accumulation.device, accumulation.dtype))
 
