@@ -4,7 +4,8 @@
 
 For each family of terms (the shapes a broadcast gradient takes), batch 2 at each size, prints the
 largest error of a float32 sum over the candidate's orders (raster, reversed, columns first, 8 shuffles,
-3 – 96 interleaved lanes, blocks of 100, 256 and 1000, pairwise) and over terms perturbed by a few ulps (the
+9 – 100 interleaved lanes, blocks of 100, 256 and 1000, pairwise) and over terms moved by 3 ulps or by
+random few-ulp amounts (the
 candidate's own values), divided by (a) the simulated worst `roundoff.sequential_drift` and (b) the own
 part the lab uses, max(γ̃ₙ(λ)·S, DRIFT_MARGIN × simulated) where `roundoff.repeats` says the terms
 repeat, else γ̃ₙ(λ)·S. (a) ≤ DRIFT_MARGIN is what the margin
@@ -51,7 +52,7 @@ def candidate_sums(x32: np.ndarray) -> list[float]:
             np.add.accumulate(np.swapaxes(x32, -1, -2).reshape(-1))[-1]]
     for seed in range(8):
         sums.append(np.add.accumulate(flat[np.random.default_rng(seed).permutation(n)])[-1])
-    for lanes in (3, 6, 24, 48, 96):
+    for lanes in (9, 10, 11, 13, 24, 48, 96, 100):
         padded = np.concatenate([flat, np.zeros(-n % lanes, np.float32)]).reshape(-1, lanes)
         sums.append(np.add.accumulate(np.add.accumulate(padded, axis=0)[-1])[-1])
     for block in (100, 256, 1000):
@@ -85,7 +86,9 @@ def main() -> None:
                 if roundoff.repeats(torch.from_numpy(x32), n):  # the lab simulates only what repeats
                     own = max(own, roundoff.DRIFT_MARGIN * drift)
                 worst = 0.0
-                for values in (x32, (x * (1 + 2 * U * rng.standard_normal(shape))).astype(np.float32)):
+                three_up = np.nextafter(np.nextafter(np.nextafter(x32, np.inf), np.inf), np.inf)
+                for values in (x32, np.where(x32 == 0, x32, three_up),
+                               (x * (1 + 2 * U * rng.standard_normal(shape))).astype(np.float32)):
                     exact = values.astype(np.float64).sum()
                     worst = max(worst, max(abs(float(s) - exact) for s in candidate_sums(values)))
                 a, b, c = worst / drift if drift else float("nan"), worst / own, own / (roundoff.probabilistic_gamma(n, U) * S)

@@ -116,11 +116,16 @@ DRIFT_MARGIN = 2.0
 #: fixed seed of the shuffled order (GPU atomics add in whatever order the threads arrive)
 DRIFT_SHUFFLE_SEED = 12345
 
+#: lane counts simulated: k accumulators over interleaved terms, then added (SIMD lanes × unrolling, tiles,
+#: split sums). Each k puts the partial sums on other binades, where a repeated value's residue differs:
+#: the powers of two shift by whole binades, 3, 5, 6, 7 and 12 by fractions of one (3 lanes alone
+#: exceeded 2× the powers-of-two worst for ~1% of constants)
+DRIFT_LANES = (2, 3, 4, 5, 6, 7, 8, 12, 16, 32, 64, 128, 256, 512, 1024)
 
-#: lane counts simulated: k accumulators over interleaved terms, then added (SIMD lanes, tiles, split
-#: sums); each halving of the partial sums moves the repeated value's residue to another binade's grid
-DRIFT_LANES = tuple(2 ** j for j in range(1, 11))
-
+#: the terms are also simulated moved by these many ulps, all in the same direction: the candidate's
+#: values are a few ulps off the reference's, and a binade whose rounding then changes sign can undo a
+#: cancellation the reference's values enjoyed (+2 ulps took a raster sum from 0.4 to 2.5× the unmoved worst)
+DRIFT_ULP_SHIFTS = (-2, -1, 1, 2)
 
 #: columns simulated at once (each pass copies n × this many terms)
 DRIFT_BLOCK = 16
@@ -132,56 +137,65 @@ REPEAT_FRACTION = 0.005
 DRIFT_SAMPLE = 4096
 
 
-def _widths(precision: str):
-    import numpy as np
-
-    acc = accumulation_precision(precision)
-    dtype, wide = (np.float32, np.float64) if acc == "float32" else (np.float64, np.longdouble)
-    return dtype, wide, np.finfo(wide).nmant > np.finfo(dtype).nmant
-
-
 def column_drift(columns, grid: tuple | None = None, precision: str = "float32"):
     """Largest |sequential sum − exact sum| of each column of `columns` (n, E), over the orders a loop or
     atomics use: raster, reversed, the last two axes of `grid` (n = Π grid, raster order) swapped
-    (column-major loops), one shuffled order, and DRIFT_LANES interleaved accumulators.
+    (column-major loops), one shuffled order, and DRIFT_LANES interleaved accumulators; and, in raster
+    order and in lanes, over the terms moved by DRIFT_ULP_SHIFTS ulps.
 
     The terms are rounded to the accumulation format and added in it; the exact sum is that of the same
-    rounded terms in a wider format. numpy reduces a 2-D array along axis 0 row after row (sequentially,
-    for every column at once); a single column is given a zero partner, which adds nothing. Returns
-    float64 (E,); zeros where no wider format is at hand (a float64 claim where np.longdouble is float64).
+    terms in float64 (exact for float32 terms: 24 + log₂n bits). numpy reduces a 2-D array along axis 0
+    row after row (sequentially, for every column at once); a single column is given a zero partner,
+    which adds nothing. For a float64 claim it returns the deterministic γₙ·S: the terms the trace keeps
+    are float32, and summed in float64 they never stagnate, where the candidate's 53-bit ones can.
+    Returns float64 (E,).
     """
     import numpy as np
 
-    dtype, wide, can = _widths(precision)
     n, width = columns.shape
+    if accumulation_precision(precision) != "float32":
+        return gamma(n, formats.unit_roundoff(precision)) * np.abs(np.asarray(columns, np.float64)).sum(axis=0)
     drift = np.zeros(width)
-    if not can or n < 2:
+    if n < 2:
         return drift
-    shuffle = np.random.default_rng(DRIFT_SHUFFLE_SEED).permutation(n)
-    for first in range(0, width, DRIFT_BLOCK):
-        block = np.asarray(columns[:, first:first + DRIFT_BLOCK], dtype)
-        if block.shape[1] == 1:
-            block = np.concatenate([block, np.zeros_like(block)], axis=1)
-        exact = block.astype(wide).sum(axis=0)
-        orders = [block, block[::-1], block[shuffle]]
-        if grid is not None and len(grid) >= 2:
-            orders.append(np.swapaxes(block.reshape(*grid, -1), -2, -3).reshape(n, -1))
-        sums = [np.add.reduce(order, axis=0) for order in orders]
+    index_type = np.int32 if n < 2 ** 31 else np.int64
+    shuffle = np.random.default_rng(DRIFT_SHUFFLE_SEED).permutation(n).astype(index_type)
+
+    def lane_orders(block):
+        sums = [np.add.reduce(block, axis=0)]
         for lanes in DRIFT_LANES:
             if lanes * 2 > n:
                 break
             whole = n - n % lanes
             lane_sums = np.add.reduce(block[:whole].reshape(-1, lanes, block.shape[1]), axis=0)
             sums.append(np.add.reduce(np.concatenate([lane_sums, block[whole:]]), axis=0))
-        worst = np.max([np.abs(total.astype(wide) - exact) for total in sums], axis=0).astype(np.float64)
-        drift[first:first + DRIFT_BLOCK] = worst[:min(DRIFT_BLOCK, width - first)]
+        return sums
+
+    def worst(block, sums):
+        exact = block.astype(np.float64).sum(axis=0)
+        return np.max([np.abs(total.astype(np.float64) - exact) for total in sums], axis=0)
+
+    for first in range(0, width, DRIFT_BLOCK):
+        block = np.asarray(columns[:, first:first + DRIFT_BLOCK], np.float32)
+        if block.shape[1] == 1:
+            block = np.concatenate([block, np.zeros_like(block)], axis=1)
+        sums = lane_orders(block) + [np.add.reduce(block[::-1], axis=0), np.add.reduce(block[shuffle], axis=0)]
+        if grid is not None and len(grid) >= 2:
+            sums.append(np.add.reduce(np.swapaxes(block.reshape(*grid, -1), -2, -3).reshape(n, -1), axis=0))
+        found = worst(block, sums)
+        for shift in DRIFT_ULP_SHIFTS:
+            moved = block
+            for _ in range(abs(shift)):
+                moved = np.nextafter(moved, np.float32(np.inf if shift > 0 else -np.inf))
+            moved = np.where(block == 0, block, moved)  # zeros stay zeros: they add exactly
+            found = np.maximum(found, worst(moved, lane_orders(moved)))
+        drift[first:first + DRIFT_BLOCK] = found[:min(DRIFT_BLOCK, width - first)]
     return drift
 
 
 def as_terms(values: torch.Tensor, precision: str = "float32"):
     """A tensor's values as the accumulation format holds them, in a numpy array on the CPU."""
-    dtype, _, _ = _widths(precision)
-    torch_dtype = torch.float32 if dtype.__name__ == "float32" else torch.float64
+    torch_dtype = torch.float32 if accumulation_precision(precision) == "float32" else torch.float64
     return values.detach().to("cpu", torch_dtype).contiguous().numpy()
 
 
