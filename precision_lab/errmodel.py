@@ -61,6 +61,7 @@ class QuantityBound:
     bound: np.ndarray  # total, floored, with evaluation margin
     relu_flips: int = 0  # ReLU positions (and max-pool windows) upstream whose decision the errors could flip
     sampled: int = 0  # elements whose bound is the sampled propagation's (precision_lab.sampled), not |W|·E
+    drifted: np.ndarray | None = None  # elements whose own part is a repeated-value sum's drift (roundoff.column_drift)
 
     @property
     def max(self) -> float:
@@ -109,7 +110,12 @@ def _quantity(name: str, parts: Parts, u: float, shape=None) -> QuantityBound:
         t = t.double().cpu().numpy()
         return t.reshape(shape) if shape is not None else t
 
-    return QuantityBound(name, parts.n, as_np(abs_sum), as_np(acc), as_np(rnd), as_np(prop), as_np(bound), parts.flips)
+    drifted = None
+    if parts.drifted is not None and bool(parts.drifted.any()):
+        drifted = torch.broadcast_to(parts.drifted.to(abs_sum.device), abs_sum.shape).cpu().numpy()
+        drifted = drifted.reshape(shape) if shape is not None else drifted
+    return QuantityBound(name, parts.n, as_np(abs_sum), as_np(acc), as_np(rnd), as_np(prop), as_np(bound), parts.flips,
+                         drifted=drifted)
 
 
 def error_bounds(trace: Trace, precision: str = "float32", lam: float = LAMBDA) -> dict[str, QuantityBound]:

@@ -125,3 +125,32 @@ def test_continuous_factors_are_not_simulated():
     assert roundoff.repeats(torch.from_numpy(np.where(masked != 0, 0.25, 0.0).astype(np.float32)), 8192)
     near = (1.0 + 1e-4 * rng.standard_normal((2, 64, 64))).astype(np.float32)
     assert roundoff.repeats(torch.from_numpy(near), 8192)  # spread below 2u·n of the mean
+
+
+def test_a_repeated_value_sum_whose_drift_reaches_a_tenth_of_it_is_not_certified():
+    from precision_lab.compare import DRIFT_CERTIFIABLE_FRACTION, compare
+    from precision_lab.compute import Result
+
+    network = load_model(GAP_CLASSIFIER)
+    problem = make_problem(64, 2, 0, network=network)
+    trace = reference(problem)
+    bounds = {name: q for name, q in errmodel.error_bounds(trace, "float32").items()}
+    conv2 = bounds["conv2.bias"]
+    assert conv2.drifted is not None and conv2.drifted.any()  # behind the pool its terms repeat
+    ref = np.asarray(trace.grads["conv2.bias"], np.float64)
+    short = {name: np.asarray(g, np.float64) for name, g in trace.grads.items()}
+    short["conv2.bias"] = 0.9 * ref
+    result = Result(float(trace.loss), short, np.asarray(trace.output), "float32", {})
+    # a drift bound of 15% of every channel (as 2·1024² equal terms of both signs can reach) lets 10% short pass ...
+    conv2.drifted = np.ones_like(conv2.drifted)
+    conv2.bound = 0.15 * np.abs(ref)
+    assert compare(result, trace, bounds, "float32")["conv2.bias"].verdict == "inconclusive"
+    conv2.drifted[:] = False  # (a bound that large from anything else is judged by CERTIFIABLE_FRACTION)
+    assert compare(result, trace, bounds, "float32")["conv2.bias"].verdict == "roundoff"
+    # ... while a bound under DRIFT_CERTIFIABLE_FRACTION of them certifies what lies within it, and catches 10% short
+    conv2.drifted[:] = True
+    conv2.bound = 0.5 * DRIFT_CERTIFIABLE_FRACTION * np.abs(ref)
+    assert compare(result, trace, bounds, "float32")["conv2.bias"].verdict == "defect"
+    exact = Result(float(trace.loss), {name: np.asarray(g, np.float64) for name, g in trace.grads.items()},
+                   np.asarray(trace.output), "float32", {})
+    assert compare(exact, trace, bounds, "float32")["conv2.bias"].verdict == "roundoff"

@@ -108,6 +108,7 @@ class Parts:
     input_rounding: torch.Tensor | float  # reduced-format operand rounding
     propagated: torch.Tensor | float  # upstream errors entering this sum
     flips: int = 0
+    drifted: torch.Tensor | None = None  # elements whose own part is a repeated-value sum's simulated drift
 
 
 @dataclass

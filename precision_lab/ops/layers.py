@@ -164,7 +164,9 @@ class Conv2d(Op):
         parts = {"weight": self._weight_grad_parts(attrs, g_abs, grad, flip_points, ins[0], tuple(w.shape), ctx)}
         if drift is not None:
             own = parts["weight"].accumulation
-            parts["weight"].accumulation = torch.maximum(own, roundoff.DRIFT_MARGIN * drift.to(own.device, own.dtype))
+            scaled = roundoff.DRIFT_MARGIN * drift.to(own.device, own.dtype)
+            parts["weight"].accumulation = torch.maximum(own, scaled)
+            parts["weight"].drifted = scaled > own
         if bias_parts is not None:
             parts["bias"] = bias_parts
         return [input_field], parts
@@ -322,6 +324,7 @@ def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext) ->
         n *= g_abs.shape[d]
     abs_sum = g_abs.sum(dim=dims)
     own = ctx.gamma(n) * abs_sum
+    drifted = None
     if n > 1:
         # one column per channel that repeats, its terms in raster order (batch, row, column)
         channels = [c for c in range(g.shape[1]) if roundoff.repeats(g[:, c], n, ctx.precision)]
@@ -331,11 +334,13 @@ def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext) ->
             grid = (g.shape[0], g.shape[2], g.shape[3]) if g.dim() == 4 else None
             drift = roundoff.column_drift(roundoff.as_terms(columns, ctx.precision), grid, ctx.precision)
             scaled = roundoff.DRIFT_MARGIN * torch.from_numpy(drift).to(own.device, own.dtype)
+            drifted = torch.zeros(own.shape, dtype=torch.bool, device=own.device)
+            drifted[channels] = scaled > own[channels]
             own[channels] = torch.maximum(own[channels], scaled)
     propagated = ctx.sum_of_errors(grad.error.sum(dim=dims), _sum_of_squares(grad.error, dims), chi)
     if _has(grad.flips):
         propagated = propagated + grad.flips.sum(dim=dims)
-    return Parts(n, abs_sum, own, 0.0, propagated, grad.flip_count)
+    return Parts(n, abs_sum, own, 0.0, propagated, grad.flip_count, drifted)
 
 
 class Linear(Op):

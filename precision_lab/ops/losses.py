@@ -49,14 +49,14 @@ class MSE:
         residual = (y.double() - target.double()).to(torch.float32)
         n_out = residual.numel()
         loss_sum = torch.tensor([float(loss)], dtype=torch.float64, device=y.device)
-        accumulation = _own_part(ctx.gamma(n_out + 2) * loss_sum, residual * residual, n_out, ctx)
+        accumulation, drifted = _own_part(ctx.gamma(n_out + 2) * loss_sum, residual * residual, n_out, ctx)
         error = out.error if out.error is not None else torch.zeros_like(residual)
         chi = roundoff.dependency_count(out.radius, _pixels(y)) * _channels(y)
         first_order = ctx.sum_of_errors((residual.abs() * error).sum().double(),
                                         (residual * residual * error * error).sum().double(), chi)
         propagated = ((2.0 / n_out) * first_order + (error.double() ** 2).sum() / n_out).reshape(1)
         grad_error = (2.0 / n_out) * (error + roundoff.gamma(2, ctx.u) * residual.abs())
-        return (Parts(n_out, loss_sum, accumulation, 0.0, propagated, out.flips),
+        return (Parts(n_out, loss_sum, accumulation, 0.0, propagated, out.flips, drifted),
                 GradField(grad_error, None, out.radius, 0))
 
 
@@ -64,9 +64,10 @@ def _own_part(accumulation: torch.Tensor, terms: torch.Tensor, count: int, ctx) 
     """The mean's own rounding: γ̃·S, or DRIFT_MARGIN × the simulated sequential sums' error ÷ count where
     the terms repeat (`roundoff.repeats`: equal residuals or losses at every position stagnate)."""
     if not roundoff.repeats(terms, count, ctx.precision):
-        return accumulation
+        return accumulation, None
     drift = roundoff.sequential_drift(terms.reshape(1, -1), ctx.precision) / count
-    return torch.maximum(accumulation, roundoff.DRIFT_MARGIN * drift.to(accumulation.device, accumulation.dtype))
+    scaled = roundoff.DRIFT_MARGIN * drift.to(accumulation.device, accumulation.dtype)
+    return torch.maximum(accumulation, scaled), scaled > accumulation
 
 
 def _pixels(y: torch.Tensor) -> int:
@@ -125,9 +126,9 @@ class CrossEntropy:
         chi = roundoff.dependency_count(out.radius, _pixels(z))
         propagated = ctx.sum_of_errors(propagated_each.sum(), (propagated_each ** 2).sum(), chi) / count
         loss_sum = torch.tensor([float(loss)], dtype=torch.float64, device=z.device)
-        own = _own_part(ctx.gamma(count + 1) * loss_sum, lse - z_t, count, ctx)
+        own, drifted = _own_part(ctx.gamma(count + 1) * loss_sum, lse - z_t, count, ctx)
         parts = Parts(count, loss_sum, own, (evaluation.sum() / count).reshape(1),
-                      propagated.reshape(1), out.flips)
+                      propagated.reshape(1), out.flips, drifted)
         onehot = torch.zeros_like(p).scatter_(1, target.unsqueeze(1), 1.0)
         relative = (k + 8 + z.abs() + lse.abs() + (z - m).abs()) * u + torch.expm1(error + weighted)
         # a probability is off by at most 1 whatever the logits' errors (an overflowing expm1 would give inf·0)
