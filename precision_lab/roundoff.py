@@ -20,10 +20,10 @@ grid), so the errors add up like n·u·S, not √n·u·S (stagnation; a sum of 2
 sequentially is ~5× the γ̃ₙ(λ)·S bound, of 2²¹ ~50×). It happens where a gradient is broadcast: a
 bias gradient behind a global average pool or a mean loss is a sum of n equal terms (masked by a
 ReLU: equal or zero), and a Fortran loop, a Rust iterator or GPU atomics add them one by one.
-`sequential_drift` simulates that on the quantity's own terms: the largest error of a sequential
-float32 sum in several orders (raster, reversed, columns first, shuffled, 2 – 1024 lanes); the own part is the larger
-of γ̃ₙ(λ)·S and DRIFT_MARGIN times it. On terms that are not repeated values the simulated error
-is the random walk γ̃ₙ(λ)·S already covers with λ = 7 to spare, so the bound is unchanged there.
+`column_drift` simulates that on the sum's own terms: the largest error of a sequential float32 sum
+in several orders (raster, reversed, columns first, shuffled, 2 – 1024 lanes) and with the terms moved
+by a few ulps; the own part is the larger of γ̃ₙ(λ)·S and DRIFT_MARGIN times it. `repeats` picks the
+sums to simulate (terms that repeat or are near-constant); elsewhere the bound is unchanged.
 
 Errors that enter a long sum from upstream are mean-zero but dependent (each depends on the
 roundings within a few pixels): `sum_of_errors` bounds Σ cᵢeᵢ by the smaller of Σ|cᵢ|Eᵢ and
