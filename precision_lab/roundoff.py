@@ -193,6 +193,12 @@ def column_drift(columns, grid: tuple | None = None, precision: str = "float32")
     return drift
 
 
+def with_drift(own: torch.Tensor, drift) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max(own, DRIFT_MARGIN × drift), where the drift won): a sum's own part with its simulated drift."""
+    scaled = DRIFT_MARGIN * torch.as_tensor(drift).to(own.device, own.dtype)
+    return torch.maximum(own, scaled), scaled > own
+
+
 def as_terms(values: torch.Tensor, precision: str = "float32"):
     """A tensor's values as the accumulation format holds them, in a numpy array on the CPU."""
     torch_dtype = torch.float32 if accumulation_precision(precision) == "float32" else torch.float64

@@ -163,10 +163,7 @@ class Conv2d(Op):
         drift = _conv_weight_drift(g, ins[0].value, attrs, tuple(w.shape), ctx)
         parts = {"weight": self._weight_grad_parts(attrs, g_abs, grad, flip_points, ins[0], tuple(w.shape), ctx)}
         if drift is not None:
-            own = parts["weight"].accumulation
-            scaled = roundoff.DRIFT_MARGIN * drift.to(own.device, own.dtype)
-            parts["weight"].accumulation = torch.maximum(own, scaled)
-            parts["weight"].drifted = scaled > own
+            parts["weight"].accumulation, parts["weight"].drifted = roundoff.with_drift(parts["weight"].accumulation, drift)
         if bias_parts is not None:
             parts["bias"] = bias_parts
         return [input_field], parts
@@ -333,10 +330,8 @@ def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext) ->
             columns = (picked.permute(0, 2, 3, 1) if g.dim() == 4 else picked).reshape(n, -1)
             grid = (g.shape[0], g.shape[2], g.shape[3]) if g.dim() == 4 else None
             drift = roundoff.column_drift(roundoff.as_terms(columns, ctx.precision), grid, ctx.precision)
-            scaled = roundoff.DRIFT_MARGIN * torch.from_numpy(drift).to(own.device, own.dtype)
             drifted = torch.zeros(own.shape, dtype=torch.bool, device=own.device)
-            drifted[channels] = scaled > own[channels]
-            own[channels] = torch.maximum(own[channels], scaled)
+            own[channels], drifted[channels] = roundoff.with_drift(own[channels], drift)
     propagated = ctx.sum_of_errors(grad.error.sum(dim=dims), _sum_of_squares(grad.error, dims), chi)
     if _has(grad.flips):
         propagated = propagated + grad.flips.sum(dim=dims)

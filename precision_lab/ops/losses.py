@@ -60,14 +60,12 @@ class MSE:
                 GradField(grad_error, None, out.radius, 0))
 
 
-def _own_part(accumulation: torch.Tensor, terms: torch.Tensor, count: int, ctx) -> torch.Tensor:
-    """The mean's own rounding: γ̃·S, or DRIFT_MARGIN × the simulated sequential sums' error ÷ count where
-    the terms repeat (`roundoff.repeats`: equal residuals or losses at every position stagnate)."""
+def _own_part(accumulation: torch.Tensor, terms: torch.Tensor, count: int, ctx):
+    """(the mean's own rounding, where drift won): γ̃·S, or DRIFT_MARGIN × the simulated sequential sums'
+    error ÷ count where the terms repeat (`roundoff.repeats`: equal residuals or losses stagnate)."""
     if not roundoff.repeats(terms, count, ctx.precision):
         return accumulation, None
-    drift = roundoff.sequential_drift(terms.reshape(1, -1), ctx.precision) / count
-    scaled = roundoff.DRIFT_MARGIN * drift.to(accumulation.device, accumulation.dtype)
-    return torch.maximum(accumulation, scaled), scaled > accumulation
+    return roundoff.with_drift(accumulation, roundoff.sequential_drift(terms.reshape(1, -1), ctx.precision) / count)
 
 
 def _pixels(y: torch.Tensor) -> int:
