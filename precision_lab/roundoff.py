@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from . import formats
@@ -150,8 +151,6 @@ def column_drift(columns, grid: tuple | None = None, precision: str = "float32")
     are float32, and summed in float64 they never stagnate, where the candidate's 53-bit ones can.
     Returns float64 (E,).
     """
-    import numpy as np
-
     n, width = columns.shape
     if accumulation_precision(precision) != "float32":
         return gamma(n, formats.unit_roundoff(precision)) * np.abs(np.asarray(columns, np.float64)).sum(axis=0)
@@ -216,8 +215,6 @@ def repeats(values: torch.Tensor, n: int, precision: str = "float32") -> bool:
     """Whether a factor's nonzero entries repeat (REPEAT_FRACTION of a sample share a value) or are
     near-constant (their spread below 2u·n·|mean|, the spacing of an n-term running sum of them): in a
     sum of n products, only where both factors do can the products stagnate."""
-    import numpy as np
-
     flat = values.detach().reshape(-1)
     if flat.numel() > DRIFT_SAMPLE:
         index = torch.from_numpy(np.random.default_rng(DRIFT_SHUFFLE_SEED).choice(flat.numel(), DRIFT_SAMPLE,

@@ -9,7 +9,9 @@ as one convolution conv(γ̃|a| + E, |W|).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from . import REQUIRED, BoundContext, Field, GradField, Op, OpSpecError, Parts, as_pair, gather_radius, positive_int
 from . import has_values, register, sparse_points, spread
@@ -158,9 +160,11 @@ class Conv2d(Op):
             input_field = GradField(error, flips, gather_radius(grad.radius, self.reach(attrs), attrs["stride"][0]),
                                     grad.flip_count)
         bias_parts = None
+        n_terms = g.shape[0] * g.shape[2] * g.shape[3]
+        g_repeats = [roundoff.repeats(g[:, c], n_terms, ctx.precision) for c in range(g.shape[1])]
         if "bias" in params:  # before the weight part, which may square the gradient's error in place
-            bias_parts = _bias_parts(g, g_abs, grad, (0, 2, 3), self._chi(attrs, grad.radius, g), ctx)
-        drift = _conv_weight_drift(g, ins[0].value, attrs, tuple(w.shape), ctx)
+            bias_parts = _bias_parts(g, g_abs, grad, (0, 2, 3), self._chi(attrs, grad.radius, g), ctx, g_repeats)
+        drift = _conv_weight_drift(g, g_repeats, ins[0].value, attrs, tuple(w.shape), ctx)
         parts = {"weight": self._weight_grad_parts(attrs, g_abs, grad, flip_points, ins[0], tuple(w.shape), ctx)}
         if drift is not None:
             parts["weight"].accumulation, parts["weight"].drifted = roundoff.with_drift(parts["weight"].accumulation, drift)
@@ -280,17 +284,13 @@ def _max_radius(a, b):
     return None if a is None or b is None else max(a, b)
 
 
-def _conv_weight_drift(g, a, attrs, weight_shape, ctx: BoundContext):
+def _conv_weight_drift(g, g_repeats, a, attrs, weight_shape, ctx: BoundContext):
     """The simulated sequential sums' error (`roundoff.column_drift`) of the weight-gradient elements whose
     two factors both repeat (`roundoff.repeats`: a broadcast gradient times a quantised image, say); None
     where no pair does. Other products take continuous values, whose rounding errors average out."""
-    import numpy as np
-    import torch.nn.functional as F
-
     c_out, per_group, kh, kw = weight_shape
     n = g.shape[0] * g.shape[2] * g.shape[3]
     outs_per_group = c_out // attrs["groups"]
-    g_repeats = [roundoff.repeats(g[:, co], n, ctx.precision) for co in range(c_out)]
     if not any(g_repeats):
         return None
     a_repeats = [roundoff.repeats(a[:, ci], n, ctx.precision) for ci in range(a.shape[1])]
@@ -310,7 +310,7 @@ def _conv_weight_drift(g, a, attrs, weight_shape, ctx: BoundContext):
     return drift
 
 
-def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext) -> Parts:
+def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext, g_repeats=None) -> Parts:
     """Σ of the output gradient over batch (and pixels): S = Σ|g|, its errors as dependent mean-zero terms.
 
     The own part is γ̃ₙ(λ)·S, or DRIFT_MARGIN × the simulated sequential sums' error where that is larger,
@@ -324,7 +324,9 @@ def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext) ->
     drifted = None
     if n > 1:
         # one column per channel that repeats, its terms in raster order (batch, row, column)
-        channels = [c for c in range(g.shape[1]) if roundoff.repeats(g[:, c], n, ctx.precision)]
+        if g_repeats is None:
+            g_repeats = [roundoff.repeats(g[:, c], n, ctx.precision) for c in range(g.shape[1])]
+        channels = [c for c in range(g.shape[1]) if g_repeats[c]]
         if channels:
             picked = g[:, channels]
             columns = (picked.permute(0, 2, 3, 1) if g.dim() == 4 else picked).reshape(n, -1)
