@@ -89,6 +89,30 @@ def accumulation_precision(precision: str) -> str:
     return "float32" if precision in ROUNDED_OPERANDS else precision
 
 
+def partial_sum_bound(abs_sum: torch.Tensor, exact_sum: torch.Tensor, live_terms: torch.Tensor, n: int,
+                      u: float, lam: float) -> torch.Tensor:
+    """The own rounding of sums of n terms from what any order's partial sums can be: λ·u·√(k + 3)·M·(1 + 2γₙ).
+
+    A summation order (sequential, pairwise, blocked, lanes, split-K, FMA or not) rounds once per product and
+    once per addition; a zero term's product and its addition are exact (x·0 = 0, s + 0 = s), so of the
+    k = `live_terms` nonzero terms come at most 2k − 1 roundings. Each is δ·v with |δ| ≤ u and v a product
+    |xᵢyᵢ| or a partial sum of a subset of the terms, and a subset's sum lies in [−S₋, S₊] (S₊ the positive
+    terms' sum, S₋ the negative ones' magnitude); the computed partial sums differ from it by at most γₙ·S.
+    With M = max(S₊, S₋) = (S + |s|)/2 (S = Σ|terms|, s the exact sum) and Σ products² ≤ S² ≤ 4M², the
+    roundings' squared bounds add to at most (k + 3)·M²·(1 + 2γₙ)², and the Azuma–Hoeffding inequality
+    for mean-zero roundings taken in sequence gives |ŝ − s| ≤ λ·u·√(k + 3)·M·(1 + 2γₙ), failing with probability
+    ≤ 2·exp(−λ²/2) (Higham & Mary 2019's model; the martingale form of Ipsen & Zhou 2020, SIAM J. Matrix Anal.
+    Appl. 41(4)). It is below γ̃ₙ(λ)·S where terms are zero (ReLU masks, max-pool routing: √(n/k)) and where
+    their signs balance (S ÷ M up to 2). It holds for summation orders only: an algorithm that transforms
+    the terms first (Winograd, FFT) rounds transformed values that zeros do not spare, so callers keep
+    γ̃ₙ(λ)·S where one is legitimate. Returns the smaller of the two bounds (each holds with high probability).
+    """
+    spread = 1.0 + 2.0 * gamma(n, u)
+    larger_sign = (abs_sum + exact_sum.abs()).mul_(0.5)
+    partial = larger_sign.mul_((live_terms + 3).sqrt_()).mul_(lam * u * spread)
+    return torch.minimum(partial, probabilistic_gamma(max(1, n), u, lam) * abs_sum)
+
+
 def dependency_count(radius: int | None, terms_per_group: int) -> int:
     """χ* bound for the terms of a sum over an image grid whose error at p depends on roundings within
     `radius` pixels of p: elements farther apart than 2·radius share no rounding event, so the dependency

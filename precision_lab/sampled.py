@@ -68,6 +68,11 @@ def _abs_params(params: dict) -> dict:
     return {k: v.abs() for k, v in params.items()}
 
 
+def _nonzero(t: torch.Tensor) -> torch.Tensor:
+    """1 where a term's factor is nonzero: the op applied to these counts a sum's nonzero terms."""
+    return (t != 0).to(t.dtype)
+
+
 class SampledOp:
     """An op whose outputs and input gradients get a Gaussian draw of their rounding's scale."""
 
@@ -90,7 +95,7 @@ class SampledOp:
     def backward(self, attrs, g, xs, y, params, kernels, need):
         grads, param_grads = self.op.backward(attrs, g, xs, y, params, kernels, need)
         if self.scales is None:
-            self.scales = self.backward_scales(attrs, g, xs, y, params, kernels, need)
+            self.scales = self.backward_scales(attrs, g, xs, y, params, kernels, need, grads)
         scales = self.scales
         grads = [h if h is None or s is None else h + s * self.draw(h) for h, s in zip(grads, scales)]
         return grads, param_grads  # a parameter gradient's own rounding is errmodel's (deterministic)
@@ -98,16 +103,16 @@ class SampledOp:
     # scales --------------------------------------------------------------------------------------
     def forward_scale(self, attrs, xs, y, params, kernels):
         name, u, lam = self.op.name, self.u, self.lam
-        if name == "conv2d":
+        if name == "conv2d" and is_seed_conv(attrs):
             direct = _gamma_over_lambda(self.op.terms_forward(attrs), u, lam) * self.op.forward(
                 attrs, [xs[0].abs()], _abs_params(params), kernels)
-            if not is_seed_conv(attrs):
-                return direct
             # a legitimate Winograd algorithm rounds more where the layer has few input channels: its scale
             return torch.maximum(direct, winograd_scale(xs[0], params["weight"], u).to(direct.dtype))
-        if name == "linear":
-            return _gamma_over_lambda(attrs["in"] + (1 if attrs["bias"] else 0), u, lam) * self.op.forward(
-                attrs, [xs[0].abs()], _abs_params(params), kernels)
+        if name in ("conv2d", "linear"):  # summation orders only: the partial sums' scale (roundoff.partial_sum_bound)
+            n = self.op.terms_forward(attrs) if name == "conv2d" else attrs["in"] + (1 if attrs["bias"] else 0)
+            abs_sum = self.op.forward(attrs, [xs[0].abs()], _abs_params(params), kernels)
+            live = self.op.forward(attrs, [_nonzero(xs[0])], {k: _nonzero(v) for k, v in params.items()}, kernels)
+            return roundoff.partial_sum_bound(abs_sum, y, live, n, u, lam) / lam
         if name == "avg_pool2d":
             window_sum = self.op.forward(attrs, [xs[0].abs()], {}, None)
             return _gamma_over_lambda(self.op._terms(attrs) + 1, u, lam) * window_sum
@@ -120,7 +125,7 @@ class SampledOp:
             return self.op.evaluation_error(attrs, z, y, self.op.df(attrs, z), u)
         return None  # relu, max-pool, upsample, concat, flatten: exact copies or selections
 
-    def backward_scales(self, attrs, g, xs, y, params, kernels, need):
+    def backward_scales(self, attrs, g, xs, y, params, kernels, need, grads):
         name, u, lam = self.op.name, self.u, self.lam
         if name in ("conv2d", "linear"):
             if not need[0]:
@@ -131,7 +136,11 @@ class SampledOp:
             else:
                 n = attrs["out"]
             (s_in,), _ = self.op.backward(attrs, g.abs(), [xs[0].abs()], None, _abs_params(params), kernels, need)
-            return [_gamma_over_lambda(n, u, lam) * s_in]
+            if name == "conv2d" and is_seed_conv(attrs):  # Winograd and FFT are legitimate here: S's scale
+                return [_gamma_over_lambda(n, u, lam) * s_in]
+            (live,), _ = self.op.backward(attrs, _nonzero(g), [_nonzero(xs[0])], None,
+                                          {k: _nonzero(v) for k, v in params.items()}, kernels, need)
+            return [roundoff.partial_sum_bound(s_in, grads[0], live, n, u, lam) / lam]
         if name == "avg_pool2d":
             overlap = -(-attrs["kernel"][0] // attrs["stride"][0]) * -(-attrs["kernel"][1] // attrs["stride"][1])
             (s_in,), _ = self.op.backward(attrs, g.abs(), xs, y, {}, kernels, need)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import REQUIRED, BoundContext, Field, GradField, Op, OpSpecError, Parts, as_pair, gather_radius, positive_int
-from . import has_values, register, sparse_points, spread
+from . import has_values, is_seed_conv, register, sparse_points, spread
 from .. import roundoff
 
 
@@ -165,7 +165,7 @@ class Conv2d(Op):
         if "bias" in params:  # before the weight part, which may square the gradient's error in place
             bias_parts = _bias_parts(g, g_abs, grad, (0, 2, 3), self._chi(attrs, grad.radius, g), ctx, g_repeats)
         drift = _conv_weight_drift(g, g_repeats, ins[0].value, attrs, tuple(w.shape), ctx)
-        parts = {"weight": self._weight_grad_parts(attrs, g_abs, grad, flip_points, ins[0], tuple(w.shape), ctx)}
+        parts = {"weight": self._weight_grad_parts(attrs, g, g_abs, grad, flip_points, ins[0], tuple(w.shape), ctx)}
         if drift is not None:
             parts["weight"].accumulation, parts["weight"].drifted = roundoff.with_drift(parts["weight"].accumulation, drift)
         if bias_parts is not None:
@@ -176,7 +176,7 @@ class Conv2d(Op):
     def _chi(attrs, radius, g) -> int:
         return roundoff.dependency_count(radius, g.shape[2] * g.shape[3])
 
-    def _weight_grad_parts(self, attrs, g_abs, grad: GradField, flip_points, inp: Field, weight_shape,
+    def _weight_grad_parts(self, attrs, g, g_abs, grad: GradField, flip_points, inp: Field, weight_shape,
                            ctx: BoundContext) -> Parts:
         """Σ over batch·H_out·W_out of a·g: S, accumulation, rounding, and the upstream errors of a and g.
 
@@ -185,6 +185,11 @@ class Conv2d(Op):
         wgrad = lambda x, e: ctx.kernels.conv_weight_grad(x, e, attrs, weight_shape)  # noqa: E731
         a_abs = inp.value if inp.nonnegative else inp.value.abs()
         n = g_abs.shape[0] * g_abs.shape[2] * g_abs.shape[3]
+        live = signed = None
+        if not is_seed_conv(attrs):  # no transformed algorithm (Winograd, FFT) is legitimate here: summation orders only
+            # terms the candidate may hold nonzero, before the walk squares the errors in place
+            live = wgrad(_may_be_nonzero(inp.value, inp.error), _may_be_nonzero(g, grad.error, grad.flips))
+            signed = wgrad(inp.value, g)
         if g_abs.shape[1] <= 4 and attrs["groups"] == 1:
             # few output channels (a last layer): one pass over the many-channel input for S and Σ|a|E_g
             doubled = (2 * weight_shape[0], *weight_shape[1:])
@@ -216,11 +221,22 @@ class Conv2d(Op):
             propagated = propagated + _sparse_weight_grad(a_abs, grad.flips, flip_points, attrs, weight_shape)
         elif has_values(grad.flips):
             propagated = propagated + wgrad(a_abs, grad.flips)
-        return Parts(n, abs_sum, ctx.gamma(n) * abs_sum, rounding, propagated, grad.flip_count + inp.flips)
+        own = ctx.gamma(n) * abs_sum if live is None else roundoff.partial_sum_bound(abs_sum, signed, live, n,
+                                                                                        ctx.u, ctx.lam)
+        return Parts(n, abs_sum, own, rounding, propagated, grad.flip_count + inp.flips)
 
 
 # ---------------------------------------------------------------------------------------------
 # point-by-point convolutions of sparse flip fields (any kernel, stride, padding, dilation, groups)
+
+
+def _may_be_nonzero(value: torch.Tensor, *errors) -> torch.Tensor:
+    """1 where the candidate's tensor may be nonzero: the exact value is, or an error bound (or flip) allows it."""
+    mask = value != 0
+    for error in errors:
+        if error is not None:
+            mask |= error != 0
+    return mask.to(value.dtype)
 
 
 def _bias_checked(attrs):

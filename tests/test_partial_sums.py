@@ -1,0 +1,121 @@
+"""A sum's own rounding from what its partial sums can be: zero terms add no rounding, balanced signs cap every
+partial sum at max(S₊, S₋) (roundoff.partial_sum_bound), and only where no transformed algorithm is legitimate."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from precision_lab import errmodel, roundoff
+from precision_lab.candidates import registry
+from precision_lab.compute import forward_backward
+from precision_lab.model import load_model
+from precision_lab.problem import make_problem
+from precision_lab.reference import reference
+from precision_lab.verdict import judge
+
+U = 2.0 ** -24
+LAM = roundoff.LAMBDA
+
+
+def _float32_sequential(columns: np.ndarray) -> np.ndarray:
+    """Each column added top to bottom in float32 (numpy reduces axis 0 one row at a time)."""
+    return np.add.reduce(columns.astype(np.float32), axis=0, dtype=np.float32).astype(np.float64)
+
+
+def _signs_apart(columns: np.ndarray) -> np.ndarray:
+    """The order whose partial sums climb highest: positives largest first, then negatives smallest first."""
+    kind = np.where(columns > 0, 0, np.where(columns < 0, 1, 2))
+    within = np.where(columns > 0, -columns, np.abs(columns))
+    return np.take_along_axis(columns, np.lexsort((within, kind), axis=0), axis=0)
+
+
+def _terms(seed: int, n: int, columns: int, zero_fraction: float, mean: float) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    # float32 operands' products, exact in float64: a masked (ReLU, max-pool) gradient times an activation
+    values = rng.normal(mean, 1.0, (n, columns)).astype(np.float32).astype(np.float64)
+    values *= rng.uniform(0.0, 2.0, (n, columns)).astype(np.float32)
+    values[rng.random((n, columns)) < zero_fraction] = 0.0
+    return values
+
+
+def _bound(columns: np.ndarray) -> np.ndarray:
+    t = torch.from_numpy(columns)
+    return roundoff.partial_sum_bound(t.abs().sum(0), t.sum(0), (t != 0).sum(0).double(), t.shape[0], U, LAM).numpy()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("zero_fraction,mean", [(0.0, 0.0), (0.75, 0.05), (15 / 16, 0.0), (0.5, 1.0)])
+def test_no_order_leaves_the_partial_sum_bound(seed, zero_fraction, mean):
+    columns = _terms(seed, 2 ** 14, 48, zero_fraction, mean)
+    exact = columns.sum(axis=0)
+    bound = _bound(columns)
+    for ordered in (columns, columns[::-1], _signs_apart(columns)):
+        assert np.all(np.abs(_float32_sequential(ordered) - exact) <= bound)
+
+
+def test_the_bound_is_the_old_one_where_nothing_cancels_and_nothing_is_zero():
+    columns = np.abs(_terms(5, 2 ** 12, 16, 0.0, 0.0))
+    old = roundoff.probabilistic_gamma(columns.shape[0], U) * columns.sum(axis=0)
+    assert np.allclose(_bound(columns), old, rtol=0.01)
+
+
+def test_zeros_and_balanced_signs_tighten_it_and_the_worst_order_comes_close():
+    columns = _terms(7, 2 ** 14, 48, 15 / 16, 0.0)
+    n, exact = columns.shape[0], columns.sum(axis=0)
+    old = roundoff.probabilistic_gamma(n, U) * np.abs(columns).sum(axis=0)
+    bound = _bound(columns)
+    # √(n/k) = 4 from the zeros, S ÷ max(S₊, S₋) ≈ 2 from the signs
+    assert np.all(bound < old / 6)
+    worst = np.abs(_float32_sequential(_signs_apart(columns)) - exact)
+    assert np.max(worst / bound) > 0.05  # a bound within 20× of the order it must cover
+
+
+#: a classifier of 5×5 convolutions (no transformed algorithm of the lab applies) and a 3×3 one (Winograd, FFT do)
+MIXED = {"name": "mixed", "input_channels": 1, "loss": "cross_entropy", "layers": [
+    {"name": "conv5", "op": "conv2d", "in": 1, "out": 4, "kernel": 5, "padding": 2},
+    {"name": "relu1", "op": "relu"},
+    {"name": "pool1", "op": "max_pool2d", "kernel": 4},
+    {"name": "conv3", "op": "conv2d", "in": 4, "out": 8, "kernel": 3, "padding": 1},
+    {"name": "relu2", "op": "relu"},
+    {"name": "pool2", "op": "max_pool2d", "kernel": 4},
+    {"name": "flat", "op": "flatten"},
+    {"name": "fc", "op": "linear", "in": 128, "out": 10}]}
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    network = load_model(MIXED)
+    problem = make_problem(64, 2, 3, network=network)
+    return network, problem, reference(problem)
+
+
+def test_only_convolutions_without_a_legitimate_transform_are_tightened(mixed):
+    _, _, trace = mixed
+    bounds = errmodel.error_bounds(trace, "float32")
+    five, three = bounds["conv5.weight"], bounds["conv3.weight"]
+    gamma = roundoff.probabilistic_gamma(five.n, U)
+    assert np.all(five.accumulation <= gamma * five.abs_sum * (1 + 1e-6))
+    # max-pool 4 leaves one gradient in 16 (ReLU: fewer): the 5×5 layer's own part is ≥ 4× below γ̃ₙ·S
+    assert np.max(five.accumulation / (gamma * five.abs_sum)) < 0.25
+    # a 3×3 stride-1 layer may be computed by Winograd or FFT, whose roundings zeros do not spare
+    assert np.allclose(three.accumulation, roundoff.probabilistic_gamma(three.n, U) * three.abs_sum, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_legitimate_orders_stay_rounding_and_a_short_first_layer_does_not(seed):
+    network = load_model(MIXED)
+    problem = make_problem(64, 2, seed, network=network)
+    trace = reference(problem)
+    orders = [registry()[name] for name in ("sum-sequential", "sum-pairwise", "bias-sequential")]
+    for candidate in [None] + orders:
+        result = forward_backward(problem, "float32") if candidate is None else \
+            candidate.run(problem, "float32", torch.device("cpu"))
+        judgement = judge(result, trace, hypotheses=False)
+        assert judgement.verdict == "roundoff", (candidate and candidate.name, judgement.to_text())
+    native = forward_backward(problem, "float32")
+    short = native.grads["conv5.weight"] * 0.9
+    from precision_lab.compute import Result
+    slipped = Result(native.loss, {**native.grads, "conv5.weight": short}, native.output, native.dtype,
+                     dict(native.meta))
+    assert judge(slipped, trace, hypotheses=False).quantities["conv5.weight"].verdict == "defect"
