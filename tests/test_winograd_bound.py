@@ -49,3 +49,23 @@ def test_winograd_f4x3_on_the_deep_denoisers_first_layer_is_roundoff():
     judgement = judge(result, trace, "float32", "conv-winograd-f4x3", hypotheses=False, fingerprint=False)
     assert judgement.verdict == "roundoff", judgement.headline()
     assert np.isfinite(judgement.quantities["conv1.weight"].bound_ratio)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_winograd_weight_gradients_stay_within_lambda_times_their_scale_even_where_a_lag_has_no_terms(seed):
+    from precision_lab.conv.winograd_bound import winograd_weight_grad_scale
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 6, 16, 16, generator=g).relu()
+    grad = torch.randn(2, 5, 16, 16, generator=g)
+    grad[:, :2, 1:, :] = 0.0  # channels whose gradient lives on the top row only: their lower taps see only padding
+    exact = torch.nn.grad.conv2d_weight(x.double(), (5, 6, 3, 3), grad.double(), padding=1)
+    scale = winograd_weight_grad_scale(x.double(), grad.double(), U32)
+    worst = max(float(((WinogradConv(m).weight_grad(x, grad).double() - exact).abs() / (LAMBDA * scale)).max())
+                for m in winograd_tiles())
+    assert worst < 0.5
+    # the reason it exists: the top-row taps (no terms there: S = 0) still carry F(4,3)'s roundings
+    direct = probabilistic_gamma(2 * 16 * 16, U32, LAMBDA) * torch.nn.grad.conv2d_weight(
+        x.abs().double(), (5, 6, 3, 3), grad.abs().double(), padding=1)
+    leak = (WinogradConv(4).weight_grad(x, grad).double() - exact).abs()[:, :, 0, :]
+    assert torch.all(direct[:2, :, 0, :] == 0) and float(leak[:2].max()) > 0

@@ -33,11 +33,21 @@ def winograd_tiles() -> tuple[int, ...]:
     return tuple(sorted(a.m for a in ALGORITHMS.values() if isinstance(a, WinogradConv)))
 
 
-def _squares(tiles: torch.Tensor, weight: torch.Tensor, m: int) -> torch.Tensor:
-    """Σ_node count·(c·b)² of every output (i, j) of F(m, 3) for input tiles (T, C, α, α) and weights (O, C, 3, 3):
+def _squares(tiles: torch.Tensor, weight: torch.Tensor, m: int, r: int = KERNEL) -> torch.Tensor:
+    """Σ_node count·(c·b)² of every output (i, j) of F(m, r) for input tiles (T, C, α, α) and filters (O, C, r, r):
     (T, O, m, m), the transforms' actual values where the bound may use them (module docstring)."""
-    a_t, g, b_t = (torch.as_tensor(x, dtype=torch.float64, device=tiles.device) for x in winograd_matrices(m, KERNEL))
-    alpha, channels = m + KERNEL - 1, tiles.shape[1]
+    return _summed_squares(*_channel_squares(tiles, weight, m, r), tiles.shape[1], m, r)
+
+
+def _matrices(m: int, r: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(torch.as_tensor(x, dtype=torch.float64, device=device) for x in winograd_matrices(m, r))
+
+
+def _channel_squares(tiles: torch.Tensor, weight: torch.Tensor, m: int, r: int):
+    """The parts of _squares that add over the channels c (so over blocks of them): the transforms' and the products'
+    Σ_node (c·b)², Σ_c |U V| and Σ_c U V, each (T, O, ·, ·)."""
+    a_t, g, b_t = _matrices(m, r, tiles.device)
+    alpha = m + r - 1
     a_abs, g_abs, b_abs = a_t.abs(), g.abs(), b_t.abs()
     aa = torch.einsum("ik,jl->ijkl", a_abs, a_abs)  # |∂y_ij/∂M_kl|
     aa2 = aa * aa
@@ -54,20 +64,28 @@ def _squares(tiles: torch.Tensor, weight: torch.Tensor, m: int) -> torch.Tensor:
     # second pass (α roundings of V_kl, ≤ Σ_q |T_kq B_lq|) and the products U_kl·V_kl (one each): coefficient |U_kl|·AA
     b2 = torch.einsum("nckq,lq->nckl", t.abs(), b_abs)
     total += torch.einsum("nckl,ockl,ijkl->noij", alpha * b2 * b2 + v_abs * v_abs, u_abs * u_abs, aa2)
-    # weight transform: (G w)_kq (3 roundings, ≤ Σ_p |G_kp w_pq|), coefficient Σ_l |G_lq||V_kl|AA; U_kl (3 roundings,
+    # weight transform: (G w)_kq (r roundings, ≤ Σ_p |G_kp w_pq|), coefficient Σ_l |G_lq||V_kl|AA; U_kl (r roundings,
     # ≤ Σ_q |(G w)_kq G_lq|), coefficient |V_kl|·AA
     b3 = torch.einsum("kp,ocpq->ockq", g_abs, weight.abs())
     c3 = torch.einsum("lq,nckl,ijkl->ncijkq", g_abs, v_abs, aa)
-    total += KERNEL * torch.einsum("ockq,ncijkq->noij", b3 * b3, c3 * c3)
+    total += r * torch.einsum("ockq,ncijkq->noij", b3 * b3, c3 * c3)
     b4 = torch.einsum("ockq,lq->ockl", gw.abs(), g_abs)
-    total += KERNEL * torch.einsum("ockl,nckl,ijkl->noij", b4 * b4, v_abs * v_abs, aa2)
+    total += r * torch.einsum("ockl,nckl,ijkl->noij", b4 * b4, v_abs * v_abs, aa2)
+    return total, torch.einsum("ockl,nckl->nokl", u_abs, v_abs), torch.einsum("ockl,nckl->nokl", u, v)
+
+
+def _summed_squares(total: torch.Tensor, uv: torch.Tensor, mm: torch.Tensor, channels: int, m: int, r: int):
+    """_channel_squares' total plus the channel sum's and the output transform's Σ_node (c·b)², from Σ_c |U V| (uv)
+    and M = Σ_c U V (mm)."""
+    a_t, _, _ = _matrices(m, r, total.device)
+    alpha, a_abs = m + r - 1, a_t.abs()
+    aa2 = torch.einsum("ik,jl->ijkl", a_abs, a_abs) ** 2
+    total = total.clone()
     # the channel sum M_kl = Σ_c U V: C − 1 partial sums, each ≤ Σ_c |U V|
     if channels > 1:
-        uv = torch.einsum("ockl,nckl->nokl", u_abs, v_abs)
         total += (channels - 1) * torch.einsum("nokl,ijkl->noij", uv * uv, aa2)
     # output transform: P_il = Σ_k Aᵀ_ik M_kl (α roundings, ≤ Σ_k |A_ik M_kl|), coefficient |A_jl|; y_ij = Σ_l P_il A_jl
     # and the bias add (α + 1 roundings, ≤ Σ_l |P_il A_jl|)
-    mm = torch.einsum("ockl,nckl->nokl", u, v)
     b6 = torch.einsum("ik,nokl->noil", a_abs, mm.abs())
     total += alpha * torch.einsum("noil,jl->noij", b6 * b6, a_abs * a_abs)
     p_row = torch.einsum("ik,nokl->noil", a_t, mm)
@@ -94,5 +112,38 @@ def winograd_scale(inputs: torch.Tensor, weight: torch.Tensor, u: float) -> torc
         squares = torch.cat([_squares(tiles[s:s + rows], w, m) for s in range(0, len(tiles), rows)])
         squares = squares.view(batch, tiles_h, tiles_w, -1, m, m).permute(0, 3, 1, 4, 2, 5)
         squares = squares.reshape(batch, -1, tiles_h * m, tiles_w * m)[..., :height, :width]
+        out = squares if out is None else torch.maximum(out, squares)
+    return (out.sqrt() * u).to(inputs.dtype)
+
+
+def winograd_weight_grad_scale(inputs: torch.Tensor, grad_out: torch.Tensor, u: float) -> torch.Tensor:
+    """u·√(max over winograd_tiles() of Σ_node (c·b)²) at every weight-gradient element of a 3×3, stride-1,
+    padding-1 convolution of `inputs` (N, C, H, W) with output gradient `grad_out` (N, O, H, W): (O, C, 3, 3).
+
+    The algorithm is F(3×3, m×m) on the forward's tiles (precision_lab.conv.algorithms.WinogradConv.weight_grad):
+    for each tile, the m×m output-gradient tile is the filter and the (m + 2)² input tile the data, the products
+    are summed over every tile of the batch in the transformed domain and the sum's inverse transform gives the
+    3×3 lags. That is _squares with the tiles (batch × tiles) as the summed channels, the input channels as the
+    'tiles' and the output channels as the filters. Zeros do not spare it: a lag whose own terms are zero (an
+    edge tap the gradient never reaches) still receives the roundings of the other lags' transformed products."""
+    batch, channels, height, width = inputs.shape
+    x, g = inputs.detach().to(torch.float64), grad_out.detach().to(torch.float64)
+    out = None
+    for m in winograd_tiles():
+        alpha = m + KERNEL - 1
+        tiles_h, tiles_w = -(-height // m), -(-width // m)
+        padded = torch.nn.functional.pad(x, (1, tiles_w * m - width + 1, 1, tiles_h * m - height + 1))
+        data = padded.unfold(2, alpha, m).unfold(3, alpha, m)  # (N, C, th, tw, α, α)
+        data = data.permute(1, 0, 2, 3, 4, 5).reshape(channels, -1, alpha, alpha)
+        grad = torch.nn.functional.pad(g, (0, tiles_w * m - width, 0, tiles_h * m - height))
+        grad = grad.reshape(batch, -1, tiles_h, m, tiles_w, m).permute(1, 0, 2, 4, 3, 5)
+        grad = grad.reshape(grad.shape[0], -1, m, m)  # (O, N·th·tw, m, m)
+        summed = data.shape[1]
+        block = max(1, (1 << 22) // (max(channels, grad.shape[0]) * alpha * alpha * KERNEL * KERNEL))
+        parts = None
+        for s in range(0, summed, block):
+            chunk = _channel_squares(data[:, s:s + block], grad[:, s:s + block], KERNEL, m)
+            parts = chunk if parts is None else tuple(a + b for a, b in zip(parts, chunk))
+        squares = _summed_squares(*parts, summed, KERNEL, m).permute(1, 0, 2, 3)
         out = squares if out is None else torch.maximum(out, squares)
     return (out.sqrt() * u).to(inputs.dtype)

@@ -16,6 +16,12 @@ import torch.nn.functional as F
 from . import REQUIRED, BoundContext, Field, GradField, Op, OpSpecError, Parts, as_pair, gather_radius, positive_int
 from . import has_values, is_seed_conv, register, sparse_points, spread
 from .. import roundoff
+from ..conv.winograd_bound import winograd_weight_grad_scale
+
+#: batch·H·W up to which a 3×3 layer's weight gradient also gets Winograd's own scale (as the sampled draws give
+#: its output, precision_lab.sampled.ELEMENT_LIMIT); above it the scale's cost grows with the tiles and the
+#: |W|·E upstream part leaves it room (docs/verdicts.md, "Winograd's weight gradient")
+WINOGRAD_SCALE_LIMIT = 4 * 128 * 128
 
 
 def _abs(t: torch.Tensor) -> torch.Tensor:
@@ -221,8 +227,13 @@ class Conv2d(Op):
             propagated = propagated + _sparse_weight_grad(a_abs, grad.flips, flip_points, attrs, weight_shape)
         elif has_values(grad.flips):
             propagated = propagated + wgrad(a_abs, grad.flips)
-        own = ctx.gamma(n) * abs_sum if live is None else roundoff.partial_sum_bound(abs_sum, signed, live, n,
-                                                                                        ctx.u, ctx.lam)
+        if live is None:
+            own = ctx.gamma(n) * abs_sum
+            if n <= WINOGRAD_SCALE_LIMIT:
+                # a Winograd algorithm's roundings reach lags whose own terms are few or zero (the edge taps)
+                own = torch.maximum(own, ctx.lam * winograd_weight_grad_scale(inp.value, g, ctx.u).to(own.dtype))
+        else:
+            own = roundoff.partial_sum_bound(abs_sum, signed, live, n, ctx.u, ctx.lam)
         return Parts(n, abs_sum, own, rounding, propagated, grad.flip_count + inp.flips)
 
 
