@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import roundoff
 from .algorithms import KERNEL, WinogradConv
 from .winograd_matrices import winograd_matrices
 
@@ -71,19 +72,28 @@ def _channel_squares(tiles: torch.Tensor, weight: torch.Tensor, m: int, r: int):
     total += r * torch.einsum("ockq,ncijkq->noij", b3 * b3, c3 * c3)
     b4 = torch.einsum("ockq,lq->ockl", gw.abs(), g_abs)
     total += r * torch.einsum("ockl,nckl,ijkl->noij", b4 * b4, v_abs * v_abs, aa2)
-    return total, torch.einsum("ockl,nckl->nokl", u_abs, v_abs), torch.einsum("ockl,nckl->nokl", u, v)
+    nonzero = torch.einsum("ockl,nckl->nokl", (u != 0).to(u.dtype), (v != 0).to(v.dtype))
+    return total, torch.einsum("ockl,nckl->nokl", u_abs, v_abs), torch.einsum("ockl,nckl->nokl", u, v), nonzero
 
 
-def _summed_squares(total: torch.Tensor, uv: torch.Tensor, mm: torch.Tensor, channels: int, m: int, r: int):
-    """_channel_squares' total plus the channel sum's and the output transform's Σ_node (c·b)², from Σ_c |U V| (uv)
-    and M = Σ_c U V (mm)."""
+def _summed_squares(total: torch.Tensor, uv: torch.Tensor, mm: torch.Tensor, nonzero: torch.Tensor, channels: int,
+                    m: int, r: int, partial_sums_u: float | None = None):
+    """_channel_squares' total plus the channel sum's and the output transform's Σ_node (c·b)², from Σ_c |U V| (uv),
+    M = Σ_c U V (mm) and the count of nonzero products (nonzero); `partial_sums_u`: bound the channel sum's partial
+    sums as a summation order's, at that unit roundoff (else by Σ_c |U V|, as the forward scale does)."""
     a_t, _, _ = _matrices(m, r, total.device)
     alpha, a_abs = m + r - 1, a_t.abs()
     aa2 = torch.einsum("ik,jl->ijkl", a_abs, a_abs) ** 2
     total = total.clone()
     # the channel sum M_kl = Σ_c U V: C − 1 partial sums, each ≤ Σ_c |U V|
     if channels > 1:
-        total += (channels - 1) * torch.einsum("nokl,ijkl->noij", uv * uv, aa2)
+        additions = (channels - 1) * uv * uv
+        if partial_sums_u is not None:
+            # or, as any summation order's (roundoff.partial_sum_bound): a zero product adds exactly, and every partial
+            # sum is at most max(S₊, S₋) = (Σ|U V| + |Σ U V|)/2, off by γ_C·Σ|U V| once computed
+            larger_sign = (uv + mm.abs()) / 2 + roundoff.gamma(channels, partial_sums_u) * uv
+            additions = torch.minimum(additions, (nonzero - 1).clamp(min=0) * larger_sign * larger_sign)
+        total += torch.einsum("nokl,ijkl->noij", additions, aa2)
     # output transform: P_il = Σ_k Aᵀ_ik M_kl (α roundings, ≤ Σ_k |A_ik M_kl|), coefficient |A_jl|; y_ij = Σ_l P_il A_jl
     # and the bias add (α + 1 roundings, ≤ Σ_l |P_il A_jl|)
     b6 = torch.einsum("ik,nokl->noil", a_abs, mm.abs())
@@ -144,6 +154,6 @@ def winograd_weight_grad_scale(inputs: torch.Tensor, grad_out: torch.Tensor, u: 
         for s in range(0, summed, block):
             chunk = _channel_squares(data[:, s:s + block], grad[:, s:s + block], KERNEL, m)
             parts = chunk if parts is None else tuple(a + b for a, b in zip(parts, chunk))
-        squares = _summed_squares(*parts, summed, KERNEL, m).permute(1, 0, 2, 3)
+        squares = _summed_squares(*parts, summed, KERNEL, m, partial_sums_u=u).permute(1, 0, 2, 3)
         out = squares if out is None else torch.maximum(out, squares)
     return (out.sqrt() * u).to(inputs.dtype)
