@@ -90,7 +90,10 @@ def mixed():
     return network, problem, reference(problem)
 
 
-def test_only_convolutions_without_a_legitimate_transform_are_tightened(mixed):
+def test_a_layer_that_may_be_transformed_keeps_the_transforms_scale(mixed, monkeypatch):
+    from precision_lab.conv.winograd_bound import winograd_weight_grad_scale
+    from precision_lab.ops import layers
+
     _, _, trace = mixed
     bounds = errmodel.error_bounds(trace, "float32")
     five, three = bounds["conv5.weight"], bounds["conv3.weight"]
@@ -98,8 +101,15 @@ def test_only_convolutions_without_a_legitimate_transform_are_tightened(mixed):
     assert np.all(five.accumulation <= gamma * five.abs_sum * (1 + 1e-6))
     # max-pool 4 leaves one gradient in 16 (ReLU: fewer): the 5×5 layer's own part is ≥ 4× below γ̃ₙ·S
     assert np.max(five.accumulation / (gamma * five.abs_sum)) < 0.25
-    # a 3×3 stride-1 layer may be computed by Winograd or FFT, whose roundings zeros do not spare
-    assert np.allclose(three.accumulation, roundoff.probabilistic_gamma(three.n, U) * three.abs_sum, rtol=1e-5)
+    # a 3×3 stride-1 layer may be computed by Winograd or FFT: its own part is at least λ·Winograd's scale
+    index = trace.network.index_of("conv3")
+    x, g = trace.value(trace.network.layers[index].inputs[0]), trace.grad_at(index)
+    winograd = LAM * winograd_weight_grad_scale(x.double(), g.double(), U).numpy().reshape(three.accumulation.shape)
+    assert np.all(three.accumulation >= winograd * (1 - 1e-5)) and np.any(winograd > 0)
+    # above the size where that scale is computed, γ̃ₙ(λ)·S stands for every algorithm
+    monkeypatch.setattr(layers, "WINOGRAD_SCALE_LIMIT", 0)
+    large = errmodel.error_bounds(reference(trace.problem), "float32")["conv3.weight"]
+    assert np.allclose(large.accumulation, roundoff.probabilistic_gamma(large.n, U) * large.abs_sum, rtol=1e-5)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

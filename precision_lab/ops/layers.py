@@ -18,9 +18,10 @@ from . import has_values, is_seed_conv, register, sparse_points, spread
 from .. import roundoff
 from ..conv.winograd_bound import winograd_weight_grad_scale
 
-#: batch·H·W up to which a 3×3 layer's weight gradient also gets Winograd's own scale (as the sampled draws give
-#: its output, precision_lab.sampled.ELEMENT_LIMIT); above it the scale's cost grows with the tiles and the
-#: |W|·E upstream part leaves it room (docs/verdicts.md, "Winograd's weight gradient")
+#: batch·H·W up to which a 3×3 stride-1 layer's weight gradient gets Winograd's own scale and, with it, the direct
+#: orders' partial-sum bound (as the sampled draws, precision_lab.sampled.ELEMENT_LIMIT); above it the scale's
+#: cost grows with the tiles, and γ̃ₙ(λ)·S stands for every algorithm with the |W|·E upstream part's room
+#: (docs/verdicts.md, "The bound")
 WINOGRAD_SCALE_LIMIT = 4 * 128 * 128
 
 
@@ -192,8 +193,10 @@ class Conv2d(Op):
         a_abs = inp.value if inp.nonnegative else inp.value.abs()
         n = g_abs.shape[0] * g_abs.shape[2] * g_abs.shape[3]
         live = signed = None
-        if not is_seed_conv(attrs):  # no transformed algorithm (Winograd, FFT) is legitimate here: summation orders only
-            # terms the candidate may hold nonzero, before the walk squares the errors in place
+        transformed = is_seed_conv(attrs)  # a 3×3 stride-1 layer may be computed by Winograd or FFT
+        if not transformed or n <= WINOGRAD_SCALE_LIMIT:
+            # the direct orders' partial sums (where a transformed algorithm's scale comes with them, below); the terms
+            # the candidate may hold nonzero, counted before the walk squares the errors in place
             live = wgrad(_may_be_nonzero(inp.value, inp.error), _may_be_nonzero(g, grad.error, grad.flips))
             signed = wgrad(inp.value, g)
         if g_abs.shape[1] <= 4 and attrs["groups"] == 1:
@@ -229,11 +232,11 @@ class Conv2d(Op):
             propagated = propagated + wgrad(a_abs, grad.flips)
         if live is None:
             own = ctx.gamma(n) * abs_sum
-            if n <= WINOGRAD_SCALE_LIMIT:
-                # a Winograd algorithm's roundings reach lags whose own terms are few or zero (the edge taps)
-                own = torch.maximum(own, ctx.lam * winograd_weight_grad_scale(inp.value, g, ctx.u).to(own.dtype))
         else:
             own = roundoff.partial_sum_bound(abs_sum, signed, live, n, ctx.u, ctx.lam)
+        if transformed and n <= WINOGRAD_SCALE_LIMIT:
+            # a Winograd algorithm's roundings reach lags whose own terms are few or zero (the edge taps)
+            own = torch.maximum(own, ctx.lam * winograd_weight_grad_scale(inp.value, g, ctx.u).to(own.dtype))
         return Parts(n, abs_sum, own, rounding, propagated, grad.flip_count + inp.flips)
 
 
