@@ -1,10 +1,11 @@
-"""How much a sign-split S would tighten each weight-gradient sum's own bound: S ÷ max(S₊, S₋).
+"""How much the sign split tightens each weight-gradient sum's own bound: S ÷ max(S₊, S₋).
 
     python benchmarks/sign_split.py [--seeds 2] [--networks tf-lenet:128,seed:128,...]
 
 The bound of a sum of n terms in any order is γ̃ₙ(λ)·S, S = Σ|terms| (Higham & Mary 2019): every partial sum
 is at most S. Any partial sum of any order is also at most max(S₊, S₋), the larger of the positive terms' sum
-and the negative terms' magnitude, so that is an order-free bound too, smaller by S ÷ max(S₊, S₋) ∈ [1, 2]:
+and the negative terms' magnitude, so that is an order-free bound too (roundoff.partial_sum_bound uses it),
+smaller by S ÷ max(S₊, S₋) ∈ [1, 2]:
 near 2 where the terms' signs balance, 1 where they do not. This prints that factor (median and smallest over
 the elements with S > 0) for each conv2d and linear weight gradient of the example networks. The first layers'
 weight gradients are where the own last sum dominates the bound (docs/verdicts.md, "Tightness").

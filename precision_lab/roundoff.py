@@ -14,6 +14,11 @@ For one sum s = Σ xᵢ·yᵢ of n terms computed at unit roundoff u, with S = �
   subnormal spacing), independent and of mean zero per operand, so their effect on a sum is at
   most λ·√(2·Σ(r(x)²y² + x²r(y)²)) (Hoeffding's inequality on the operands, as Higham & Mary 2019, §2).
 
+Where only summation orders are legitimate, `partial_sum_bound` is tighter and still holds for every order:
+each rounding is u × a product or a partial sum, a zero term's product and addition are exact, and a partial
+sum of any order lies in [−S₋, S₊] (the negative and positive terms' sums), so the Azuma–Hoeffding inequality
+gives λ·u·√(k + 3)·max(S₊, S₋)·(1 + 2γₙ) for k nonzero terms (the martingale form of Ipsen & Zhou 2020).
+
 Repeated values break the probabilistic model's premise. Adding the same value c to a long running sum
 rounds the same way every time within a binade of the sum (the error is c's residue on the sum's
 grid), so the errors add up like n·u·S, not √n·u·S (stagnation; a sum of 2¹⁵ equal float32 terms

@@ -11,7 +11,10 @@ it away:
   Higham & Mary bound has before λ (σ = γ̃ₙ(λ)·S / λ ≥ √n·u·S for a sum of n terms with S = Σ|terms|,
   since γ̃ₙ(λ) = exp(λ√n·u + nu²/(1 − u)) − 1 ≥ λ√n·u; u·|y| for one rounding; the activation's
   evaluation bound of ops/pointwise.py); a 3×3 stride-1 convolution's output at the larger of that and
-  Winograd's own scale (conv.winograd_bound), since a legitimate implementation may compute it so;
+  Winograd's own scale (conv.winograd_bound), since a legitimate implementation may compute it so; the sums
+  of every other convolution and of linear layers, which only summation orders compute, at their partial
+  sums' scale (roundoff.partial_sum_bound ÷ λ = u·√(k + 3)·max(S₊, S₋)·(1 + 2γₙ) for k nonzero terms: the
+  variance proxy of the Azuma–Hoeffding bound it comes from);
 * the float64 network is run K times with these draws added where they arise (each layer's output and
   each input gradient), so every draw travels through the signed weights, the ReLU masks and the
   max-pool routing it meets, and the same draw reaches every quantity it affects (the dependence that

@@ -18,6 +18,12 @@ derivative c_node of the output with respect to that node. Independent mean-zero
 2019, SIAM J. Sci. Comput. 41(5), the model behind γ̃ₙ(λ)) make it sub-Gaussian with variance proxy
 u²·Σ_node (c·b)² (Hoeffding's lemma): the scale is u·√(Σ_node (c·b)²), the larger of the two tiles.
 `precision_lab.sampled` draws a 3×3 convolution's output at the larger of it and the direct scale.
+
+The weight gradient is the same algorithm turned round (F(3×3, m×m): the output-gradient tile is the filter,
+the tiles of the batch are the summed channels), and its roundings reach lags whose own terms are few or none
+(an edge tap the gradient never reaches): F(4,3)'s error there was 10⁴× the direct sum's γ̃ₙ(λ)·S on the small
+U-Net (`benchmarks/transformed_weight_grads.py`). `winograd_weight_grad_scale` gives its scale; the tile sum is
+bounded as any summation order's (roundoff.partial_sum_bound), since the tiles are added, not transformed.
 """
 from __future__ import annotations
 

@@ -6,6 +6,12 @@ batch·H_out·W_out (conv2d) or batch (linear). S = Σ|terms| is the same operat
 |operands|; the bound of a sum is γ̃ₙ(λ)·S plus reduced-format operand rounding plus the upstream
 errors entering it. Convolutions are linear in each operand, so γ̃·S + conv(E, |W|) is computed
 as one convolution conv(γ̃|a| + E, |W|).
+
+A convolution's weight-gradient sum is long (batch·H·W terms), so its own part is sharpened where the
+algorithms that may compute it allow: the partial-sum bound of roundoff.partial_sum_bound (zero terms add no
+rounding, a partial sum is at most max(S₊, S₋)) where only summation orders are legitimate, and, on a 3×3
+stride-1 layer (Winograd, FFT), the larger of that and λ × Winograd's own scale on problems small enough to
+compute it (WINOGRAD_SCALE_LIMIT; above it γ̃ₙ(λ)·S).
 """
 from __future__ import annotations
 
