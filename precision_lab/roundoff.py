@@ -17,7 +17,8 @@ For one sum s = Σ xᵢ·yᵢ of n terms computed at unit roundoff u, with S = �
 Where only summation orders are legitimate, `partial_sum_bound` is tighter and still holds for every order:
 each rounding is u × a product or a partial sum, a zero term's product and addition are exact, and a partial
 sum of any order lies in [−S₋, S₊] (the negative and positive terms' sums), so the Azuma–Hoeffding inequality
-gives λ·u·√(k + 3)·max(S₊, S₋)·(1 + 2γₙ) for k nonzero terms (the martingale form of Ipsen & Zhou 2020).
+gives λₙ·u·√(k + 3)·max(S₊, S₋)·(1 + 2γₙ) for k nonzero terms (the martingale form of Ipsen & Zhou 2020),
+with λₙ chosen to fail as rarely as γ̃ₙ(λ)·S does.
 
 Repeated values break the probabilistic model's premise. Adding the same value c to a long running sum
 rounds the same way every time within a binade of the sum (the error is c's residue on the sum's
@@ -94,9 +95,21 @@ def accumulation_precision(precision: str) -> str:
     return "float32" if precision in ROUNDED_OPERANDS else precision
 
 
+def partial_sum_scale(abs_sum: torch.Tensor, exact_sum: torch.Tensor, live_terms: torch.Tensor, n: int,
+                      u: float) -> torch.Tensor:
+    """u·√(k + 3)·M·(1 + 2γₙ): the variance proxy's root of the roundings of any summation order (partial_sum_bound)."""
+    larger_sign = (abs_sum + exact_sum.abs()).mul_(0.5)
+    return larger_sign.mul_((live_terms + 3).sqrt_()).mul_(u * (1.0 + 2.0 * gamma(n, u)))
+
+
+def same_risk_lambda(n: int, lam: float) -> float:
+    """λₙ with 2·exp(−λₙ²/2) = 2n·exp(−λ²/2): the partial-sum bound failing as often as γ̃ₙ(λ)·S does."""
+    return math.sqrt(max(lam * lam - 2.0 * math.log(max(1, n)), 0.0)) if n > 1 else lam
+
+
 def partial_sum_bound(abs_sum: torch.Tensor, exact_sum: torch.Tensor, live_terms: torch.Tensor, n: int,
                       u: float, lam: float) -> torch.Tensor:
-    """The own rounding of sums of n terms from what any order's partial sums can be: λ·u·√(k + 3)·M·(1 + 2γₙ).
+    """The own rounding of sums of n terms from what any order's partial sums can be: λₙ·u·√(k + 3)·M·(1 + 2γₙ).
 
     A summation order (sequential, pairwise, blocked, lanes, split-K, FMA or not) rounds once per product and
     once per addition; a zero term's product and its addition are exact (x·0 = 0, s + 0 = s), so of the
@@ -105,17 +118,17 @@ def partial_sum_bound(abs_sum: torch.Tensor, exact_sum: torch.Tensor, live_terms
     terms' sum, S₋ the negative ones' magnitude); the computed partial sums differ from it by at most γₙ·S.
     With M = max(S₊, S₋) = (S + |s|)/2 (S = Σ|terms|, s the exact sum) and Σ products² ≤ S² ≤ 4M², the
     roundings' squared bounds add to at most (k + 3)·M²·(1 + 2γₙ)², and the Azuma–Hoeffding inequality
-    for mean-zero roundings taken in sequence gives |ŝ − s| ≤ λ·u·√(k + 3)·M·(1 + 2γₙ), failing with probability
-    ≤ 2·exp(−λ²/2) (Higham & Mary 2019's model; the martingale form of Ipsen & Zhou 2020, SIAM J. Matrix Anal.
-    Appl. 41(4)). It is below γ̃ₙ(λ)·S where terms are zero (ReLU masks, max-pool routing: √(n/k)) and where
-    their signs balance (S ÷ M up to 2). It holds for summation orders only: an algorithm that transforms
-    the terms first (Winograd, FFT) rounds transformed values that zeros do not spare, so callers keep
-    γ̃ₙ(λ)·S where one is legitimate. Returns the smaller of the two bounds (each holds with high probability).
+    for mean-zero roundings taken in sequence gives |ŝ − s| ≤ λₙ·u·√(k + 3)·M·(1 + 2γₙ), failing with
+    probability ≤ 2·exp(−λₙ²/2) (Higham & Mary 2019's model; the martingale form of Ipsen & Zhou 2020, SIAM J.
+    Matrix Anal. Appl. 41(4)). λₙ = same_risk_lambda(n, λ) makes that the failure probability of γ̃ₙ(λ)·S,
+    2n·exp(−λ²/2) (Higham & Mary's Thm 3.1 takes a union over the n terms; this inequality needs none).
+    It is below γ̃ₙ(λ)·S where terms are zero (ReLU masks, max-pool routing: √(n/k)), where their signs
+    balance (S ÷ M up to 2) and by λ ÷ λₙ (1.3 at n = 2¹⁵). It holds for summation orders only: an algorithm
+    that transforms the terms first (Winograd, FFT) rounds transformed values that zeros do not spare, so
+    callers add their scales where one is legitimate. Returns the smaller of the two bounds.
     """
-    spread = 1.0 + 2.0 * gamma(n, u)
-    larger_sign = (abs_sum + exact_sum.abs()).mul_(0.5)
-    partial = larger_sign.mul_((live_terms + 3).sqrt_()).mul_(lam * u * spread)
-    return torch.minimum(partial, probabilistic_gamma(max(1, n), u, lam) * abs_sum)
+    scale = partial_sum_scale(abs_sum, exact_sum, live_terms, n, u)
+    return torch.minimum(scale.mul_(same_risk_lambda(n, lam)), probabilistic_gamma(max(1, n), u, lam) * abs_sum)
 
 
 def dependency_count(radius: int | None, terms_per_group: int) -> int:

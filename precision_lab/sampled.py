@@ -13,8 +13,8 @@ it away:
   evaluation bound of ops/pointwise.py); a 3×3 stride-1 convolution's output at the larger of that and
   Winograd's own scale (conv.winograd_bound), since a legitimate implementation may compute it so; the sums
   of every other convolution and of linear layers, which only summation orders compute, at their partial
-  sums' scale (roundoff.partial_sum_bound ÷ λ = u·√(k + 3)·max(S₊, S₋)·(1 + 2γₙ) for k nonzero terms: the
-  variance proxy of the Azuma–Hoeffding bound it comes from);
+  sums' scale (roundoff.partial_sum_scale = u·√(k + 3)·max(S₊, S₋)·(1 + 2γₙ) for k nonzero terms, the
+  variance proxy's root of the Azuma–Hoeffding bound roundoff.partial_sum_bound; or γ̃ₙ(λ)·S/λ if smaller);
 * the float64 network is run K times with these draws added where they arise (each layer's output and
   each input gradient), so every draw travels through the signed weights, the ReLU masks and the
   max-pool routing it meets, and the same draw reaches every quantity it affects (the dependence that
@@ -111,11 +111,12 @@ class SampledOp:
                 attrs, [xs[0].abs()], _abs_params(params), kernels)
             # a legitimate Winograd algorithm rounds more where the layer has few input channels: its scale
             return torch.maximum(direct, winograd_scale(xs[0], params["weight"], u).to(direct.dtype))
-        if name in ("conv2d", "linear"):  # summation orders only: the partial sums' scale (roundoff.partial_sum_bound)
+        if name in ("conv2d", "linear"):  # summation orders only: the partial sums' scale (roundoff.partial_sum_scale)
             n = self.op.terms_forward(attrs) if name == "conv2d" else attrs["in"] + (1 if attrs["bias"] else 0)
             abs_sum = self.op.forward(attrs, [xs[0].abs()], _abs_params(params), kernels)
             live = self.op.forward(attrs, [_nonzero(xs[0])], {k: _nonzero(v) for k, v in params.items()}, kernels)
-            return roundoff.partial_sum_bound(abs_sum, y, live, n, u, lam) / lam
+            return torch.minimum(roundoff.partial_sum_scale(abs_sum, y, live, n, u),
+                                 _gamma_over_lambda(n, u, lam) * abs_sum)
         if name == "avg_pool2d":
             window_sum = self.op.forward(attrs, [xs[0].abs()], {}, None)
             return _gamma_over_lambda(self.op._terms(attrs) + 1, u, lam) * window_sum
@@ -143,7 +144,8 @@ class SampledOp:
                 return [_gamma_over_lambda(n, u, lam) * s_in]
             (live,), _ = self.op.backward(attrs, _nonzero(g), [_nonzero(xs[0])], None,
                                           {k: _nonzero(v) for k, v in params.items()}, kernels, need)
-            return [roundoff.partial_sum_bound(s_in, grads[0], live, n, u, lam) / lam]
+            return [torch.minimum(roundoff.partial_sum_scale(s_in, grads[0], live, n, u),
+                                  _gamma_over_lambda(n, u, lam) * s_in)]
         if name == "avg_pool2d":
             overlap = -(-attrs["kernel"][0] // attrs["stride"][0]) * -(-attrs["kernel"][1] // attrs["stride"][1])
             (s_in,), _ = self.op.backward(attrs, g.abs(), xs, y, {}, kernels, need)

@@ -54,10 +54,14 @@ def test_no_order_leaves_the_partial_sum_bound(seed, zero_fraction, mean):
         assert np.all(np.abs(_float32_sequential(ordered) - exact) <= bound)
 
 
-def test_the_bound_is_the_old_one_where_nothing_cancels_and_nothing_is_zero():
+def test_where_nothing_cancels_and_nothing_is_zero_only_the_union_over_terms_is_saved():
     columns = np.abs(_terms(5, 2 ** 12, 16, 0.0, 0.0))
-    old = roundoff.probabilistic_gamma(columns.shape[0], U) * columns.sum(axis=0)
-    assert np.allclose(_bound(columns), old, rtol=0.01)
+    n = columns.shape[0]
+    old = roundoff.probabilistic_gamma(n, U) * columns.sum(axis=0)
+    # the same failure probability as γ̃ₙ(λ)·S's 2n·exp(−λ²/2) without its union over the n terms: λₙ = 5.6 for λ = 7
+    lam_n = roundoff.same_risk_lambda(n, LAM)
+    assert abs(lam_n - np.sqrt(49 - 2 * np.log(n))) < 1e-12 and 5.5 < lam_n < 5.7
+    assert np.allclose(_bound(columns), old * lam_n / LAM, rtol=0.01)
 
 
 def test_zeros_and_balanced_signs_tighten_it_and_the_worst_order_comes_close():
