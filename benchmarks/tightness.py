@@ -59,7 +59,9 @@ def measure(spec, size: int, seeds: int) -> dict[str, dict]:
                     entry["native"] = max(entry["native"], top)
                 if top > entry["worst"]:
                     at = np.unravel_index(int(np.argmax(ratio)), ratio.shape) if ratio.ndim else ()
-                    own = np.asarray(q.accumulation + q.input_rounding, np.float64).reshape(q.bound.shape)
+                    # the output's own last rounding is in its sampled draws (errmodel._tighten): only operand rounding is added
+                    own_part = q.input_rounding if name == "output" and q.sampled else q.accumulation + q.input_rounding
+                    own = np.asarray(own_part, np.float64).reshape(q.bound.shape)
                     entry.update(worst=top, order=label, own=float(own[at] / q.bound[at]))
             entry["fraction"] = max(entry["fraction"], bound_fraction(ref, q.bound))
     return worst
