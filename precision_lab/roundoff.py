@@ -123,12 +123,28 @@ def partial_sum_bound(abs_sum: torch.Tensor, exact_sum: torch.Tensor, live_terms
     Matrix Anal. Appl. 41(4)). λₙ = same_risk_lambda(n, λ) makes that the failure probability of γ̃ₙ(λ)·S,
     2n·exp(−λ²/2) (Higham & Mary's Thm 3.1 takes a union over the n terms; this inequality needs none).
     It is below γ̃ₙ(λ)·S where terms are zero (ReLU masks, max-pool routing: √(n/k)), where their signs
-    balance (S ÷ M up to 2) and by λ ÷ λₙ (1.3 at n = 2¹⁵). It holds for summation orders only: an algorithm
+    balance (S ÷ M up to 2) and by λ ÷ λₙ (1.3 at n = 2¹⁵). Terms too small for a partial sum of size M to
+    hold (below absorption_threshold) round the same way again and again; callers add their absorbed_mass.
+    It holds for summation orders only: an algorithm
     that transforms the terms first (Winograd, FFT) rounds transformed values that zeros do not spare, so
     callers add their scales where one is legitimate. Returns the smaller of the two bounds.
     """
     scale = partial_sum_scale(abs_sum, exact_sum, live_terms, n, u)
     return torch.minimum(scale.mul_(same_risk_lambda(n, lam)), probabilistic_gamma(max(1, n), u, lam) * abs_sum)
+
+
+def absorption_threshold(abs_sum: torch.Tensor, exact_sum: torch.Tensor, n: int, u: float) -> torch.Tensor:
+    """2u·M·(1 + 2γₙ): a term below it may be absorbed, whole or in part, by a partial sum as large as M allows."""
+    return (abs_sum + exact_sum.abs()).mul_(u * (1.0 + 2.0 * gamma(n, u)))
+
+
+def absorbed_mass(terms: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Σ|t| over the terms (rows) below their column's absorption_threshold: added deterministically to the
+    partial-sum bound. A term smaller than an ulp of the running sum is rounded away (or up to an ulp) always in
+    the same direction, so those roundings are not mean-zero (Higham & Mary's premise); each still errs by at
+    most |t|, since the running sum itself is a float closer to s + t than |t|."""
+    magnitude = terms.abs()
+    return torch.where(magnitude < threshold, magnitude, torch.zeros((), dtype=magnitude.dtype)).sum(dim=0)
 
 
 def dependency_count(radius: int | None, terms_per_group: int) -> int:

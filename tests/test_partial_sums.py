@@ -133,3 +133,59 @@ def test_legitimate_orders_stay_rounding_and_a_short_first_layer_does_not(seed):
     slipped = Result(native.loss, {**native.grads, "conv5.weight": short}, native.output, native.dtype,
                      dict(native.meta))
     assert judge(slipped, trace, hypotheses=False).quantities["conv5.weight"].verdict == "defect"
+
+
+def _absorbed_by_hand(x, g, attrs, weight_shape, threshold):
+    """Σ|a·g| below the threshold, one term at a time (padding 1 as in the cases below)."""
+    c_out, per_group, k, _ = weight_shape
+    stride, dilation, groups = attrs["stride"][0], attrs["dilation"][0], attrs["groups"]
+    padded = torch.nn.functional.pad(x.double(), (1, 1, 1, 1))
+    out = torch.zeros(weight_shape, dtype=torch.float64)
+    for o in range(c_out):
+        group = o // (c_out // groups)
+        for c in range(per_group):
+            for i in range(k):
+                for j in range(k):
+                    window = padded[:, group * per_group + c, i * dilation::stride, j * dilation::stride]
+                    terms = (g[:, o].double() * window[:, :g.shape[2], :g.shape[3]]).abs()
+                    out[o, c, i, j] = terms[terms < threshold[o, c, i, j]].sum()
+    return out
+
+
+@pytest.mark.parametrize("groups,kernel,stride,dilation,block", [(1, 3, 1, 1, 2 ** 25), (2, 5, 2, 1, 1), (2, 3, 1, 2, 7)])
+def test_absorbed_terms_are_found_in_every_convolution_shape(groups, kernel, stride, dilation, block, monkeypatch):
+    from precision_lab.ops import layers
+
+    monkeypatch.setattr(layers, "ABSORPTION_BLOCK", block)  # 1: an output channel at a time, 7: blocks across groups
+    gen = torch.Generator().manual_seed(groups + kernel)
+    x = torch.randn(2, 8, 13, 11, generator=gen)
+    attrs = {"kernel": (kernel, kernel), "stride": (stride, stride), "padding": (1, 1), "dilation": (dilation, dilation),
+             "groups": groups}
+    weight_shape = (6, 8 // groups, kernel, kernel)
+    out = torch.nn.functional.conv2d(x, torch.zeros(weight_shape), stride=stride, padding=1, dilation=dilation,
+                                     groups=groups)
+    g = torch.randn(out.shape, generator=gen)
+    threshold = 0.05 + torch.rand(weight_shape, generator=gen, dtype=torch.float64) * 0.5
+    found = layers._absorbed_mass(x, g, attrs, weight_shape, threshold)
+    assert torch.allclose(found, _absorbed_by_hand(x, g, attrs, weight_shape, threshold), rtol=1e-12, atol=1e-12)
+    assert float(found.min()) > 0  # every element has terms below its threshold: a test that could fail
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_few_large_terms_and_many_absorbed_ones_stay_inside(seed):
+    """A confident classifier's gradient: a few O(1) terms early, then 32,768 tiny ones of one sign that a raster
+    sum rounds away one by one, always the same way (Higham & Mary's mean-zero premise fails)."""
+    rng = np.random.default_rng(seed)
+    n, columns = 2 ** 15, 32
+    activations = np.abs(rng.standard_normal((n, columns))).astype(np.float32)
+    gradient = (10.0 ** rng.uniform(-8, -7.3, (n, columns))).astype(np.float32)
+    np.put_along_axis(gradient, rng.integers(0, n // 8, (4, columns)), np.float32(1.0), axis=0)
+    terms = activations.astype(np.float64) * gradient.astype(np.float64)
+    exact = terms.sum(axis=0)
+    error = np.abs(_float32_sequential(activations * gradient) - exact)
+    t = torch.from_numpy(terms)
+    partial = roundoff.partial_sum_bound(t.abs().sum(0), t.sum(0), (t != 0).sum(0).double(), n, U, LAM)
+    threshold = roundoff.absorption_threshold(t.abs().sum(0), t.sum(0), n, U)
+    own = (partial + roundoff.absorbed_mass(t, threshold)).numpy()
+    assert np.max(error / partial.numpy()) > 1  # the mean-zero bound alone is exceeded
+    assert np.max(error / own) < 1

@@ -29,6 +29,12 @@ from ..conv.winograd_bound import winograd_weight_grad_scale
 #: cost grows with the tiles, and γ̃ₙ(λ)·S stands for every algorithm with the |W|·E upstream part's room
 #: (docs/verdicts.md, "The bound")
 WINOGRAD_SCALE_LIMIT = 4 * 128 * 128
+#: weight-gradient terms (elements × batch·H·W) up to which they are formed to find the absorbed ones (the
+#: partial-sum bound needs them: roundoff.absorbed_mass); above it the own part stays γ̃ₙ(λ)·S. 2²⁸: the seed
+#: CNN's widest layer at 128², in about a second
+ABSORPTION_TERMS_LIMIT = 2 ** 28
+#: float64 products formed at once (256 MB)
+ABSORPTION_BLOCK = 2 ** 25
 
 
 def _abs(t: torch.Tensor) -> torch.Tensor:
@@ -200,7 +206,8 @@ class Conv2d(Op):
         n = g_abs.shape[0] * g_abs.shape[2] * g_abs.shape[3]
         live = signed = None
         transformed = is_seed_conv(attrs)  # a 3×3 stride-1 layer may be computed by Winograd or FFT
-        if not transformed or n <= WINOGRAD_SCALE_LIMIT:
+        affordable = n * int(np.prod(weight_shape)) <= ABSORPTION_TERMS_LIMIT  # every term is formed once, below
+        if affordable and (not transformed or n <= WINOGRAD_SCALE_LIMIT):
             # the direct orders' partial sums (where a transformed algorithm's scale comes with them, below); the terms
             # the candidate may hold nonzero, counted before the walk squares the errors in place
             live = wgrad(_may_be_nonzero(inp.value, inp.error), _may_be_nonzero(g, grad.error, grad.flips))
@@ -239,7 +246,9 @@ class Conv2d(Op):
         if live is None:
             own = ctx.gamma(n) * abs_sum
         else:
-            own = roundoff.partial_sum_bound(abs_sum, signed, live, n, ctx.u, ctx.lam)
+            threshold = roundoff.absorption_threshold(abs_sum.double(), signed.double(), n, ctx.u)
+            absorbed = _absorbed_mass(inp.value, g, attrs, weight_shape, threshold).to(abs_sum.dtype)
+            own = roundoff.partial_sum_bound(abs_sum, signed, live, n, ctx.u, ctx.lam).add_(absorbed)
         if transformed and n <= WINOGRAD_SCALE_LIMIT:
             # a Winograd algorithm's roundings reach lags whose own terms are few or zero (the edge taps)
             own = torch.maximum(own, ctx.lam * winograd_weight_grad_scale(inp.value, g, ctx.u).to(own.dtype))
@@ -248,6 +257,27 @@ class Conv2d(Op):
 
 # ---------------------------------------------------------------------------------------------
 # point-by-point convolutions of sparse flip fields (any kernel, stride, padding, dilation, groups)
+
+
+def _absorbed_mass(x: torch.Tensor, g: torch.Tensor, attrs, weight_shape, threshold: torch.Tensor) -> torch.Tensor:
+    """roundoff.absorbed_mass of every weight-gradient element's terms a·g, formed in float64 a block of output
+    channels at a time: (O, C/groups, kh, kw)."""
+    cols = F.unfold(x.double(), attrs["kernel"], dilation=attrs["dilation"], padding=attrs["padding"],
+                    stride=attrs["stride"])  # (B, C·kh·kw, L)
+    c_out, per_group = weight_shape[0], int(np.prod(weight_shape[1:]))
+    outs_per_group = c_out // attrs["groups"]
+    grad = g.double().flatten(2)  # (B, O, L)
+    limit = threshold.reshape(c_out, per_group, 1)
+    out = torch.zeros(c_out, per_group, dtype=torch.float64, device=x.device)
+    block = max(1, min(outs_per_group, ABSORPTION_BLOCK // max(1, cols.shape[0] * per_group * cols.shape[2])))
+    start = 0
+    while start < c_out:
+        group = start // outs_per_group
+        stop = min(start + block, (group + 1) * outs_per_group)  # one group per block
+        terms = (grad[:, start:stop, None, :] * cols[:, None, group * per_group:(group + 1) * per_group, :]).abs_()
+        out[start:stop] = torch.where(terms < limit[None, start:stop], terms, 0.0).sum(dim=(0, 3))
+        start = stop
+    return out.view(weight_shape)
 
 
 def _may_be_nonzero(value: torch.Tensor, *errors) -> torch.Tensor:
