@@ -189,3 +189,14 @@ def test_a_few_large_terms_and_many_absorbed_ones_stay_inside(seed):
     own = (partial + roundoff.absorbed_mass(t, threshold)).numpy()
     assert np.max(error / partial.numpy()) > 1  # the mean-zero bound alone is exceeded
     assert np.max(error / own) < 1
+
+
+def test_a_term_counts_where_the_candidate_may_hold_it_nonzero():
+    from precision_lab.ops.layers import _may_be_nonzero
+
+    value = torch.tensor([0.0, 1.5, 0.0, 0.0, -2.0])
+    error = torch.tensor([0.0, 1e-7, 3e-8, 0.0, 0.0])  # a zero within its error bound of a ReLU edge
+    flips = torch.tensor([0.0, 0.0, 0.0, 0.4, 0.0])  # a ReLU that may flip and pass its whole value
+    assert _may_be_nonzero(value).tolist() == [0, 1, 0, 0, 1]
+    assert _may_be_nonzero(value, error, flips).tolist() == [0, 1, 1, 1, 1]
+    assert _may_be_nonzero(value, None, flips).tolist() == [0, 1, 0, 1, 1]
