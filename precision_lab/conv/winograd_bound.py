@@ -52,7 +52,7 @@ def _matrices(m: int, r: int, device) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def _channel_squares(tiles: torch.Tensor, weight: torch.Tensor, m: int, r: int):
     """The parts of _squares that add over the channels c (so over blocks of them): the transforms' and the products'
-    Σ_node (c·b)², Σ_c |U V| and Σ_c U V, each (T, O, ·, ·)."""
+    Σ_node (c·b)², Σ_c |U V|, Σ_c U V and the count of nonzero products U V, each (T, O, ·, ·)."""
     a_t, g, b_t = _matrices(m, r, tiles.device)
     alpha = m + r - 1
     a_abs, g_abs, b_abs = a_t.abs(), g.abs(), b_t.abs()
