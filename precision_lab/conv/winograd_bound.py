@@ -50,9 +50,10 @@ def _matrices(m: int, r: int, device) -> tuple[torch.Tensor, torch.Tensor, torch
     return tuple(torch.as_tensor(x, dtype=torch.float64, device=device) for x in winograd_matrices(m, r))
 
 
-def _channel_squares(tiles: torch.Tensor, weight: torch.Tensor, m: int, r: int):
+def _channel_squares(tiles: torch.Tensor, weight: torch.Tensor, m: int, r: int, count_nonzero: bool = False):
     """The parts of _squares that add over the channels c (so over blocks of them): the transforms' and the products'
-    Σ_node (c·b)², Σ_c |U V|, Σ_c U V and the count of nonzero products U V, each (T, O, ·, ·)."""
+    Σ_node (c·b)², Σ_c |U V|, Σ_c U V and, when asked (the partial-sum form needs it), the count of nonzero
+    products U V, each (T, O, ·, ·); else 0."""
     a_t, g, b_t = _matrices(m, r, tiles.device)
     alpha = m + r - 1
     a_abs, g_abs, b_abs = a_t.abs(), g.abs(), b_t.abs()
@@ -78,7 +79,7 @@ def _channel_squares(tiles: torch.Tensor, weight: torch.Tensor, m: int, r: int):
     total += r * torch.einsum("ockq,ncijkq->noij", b3 * b3, c3 * c3)
     b4 = torch.einsum("ockq,lq->ockl", gw.abs(), g_abs)
     total += r * torch.einsum("ockl,nckl,ijkl->noij", b4 * b4, v_abs * v_abs, aa2)
-    nonzero = torch.einsum("ockl,nckl->nokl", (u != 0).to(u.dtype), (v != 0).to(v.dtype))
+    nonzero = torch.einsum("ockl,nckl->nokl", (u != 0).to(u.dtype), (v != 0).to(v.dtype)) if count_nonzero else 0
     return total, torch.einsum("ockl,nckl->nokl", u_abs, v_abs), torch.einsum("ockl,nckl->nokl", u, v), nonzero
 
 
@@ -158,7 +159,7 @@ def winograd_weight_grad_scale(inputs: torch.Tensor, grad_out: torch.Tensor, u: 
         block = max(1, (1 << 22) // (max(channels, grad.shape[0]) * alpha * alpha * KERNEL * KERNEL))
         parts = None
         for s in range(0, summed, block):
-            chunk = _channel_squares(data[:, s:s + block], grad[:, s:s + block], KERNEL, m)
+            chunk = _channel_squares(data[:, s:s + block], grad[:, s:s + block], KERNEL, m, count_nonzero=True)
             parts = chunk if parts is None else tuple(a + b for a, b in zip(parts, chunk))
         squares = _summed_squares(*parts, summed, KERNEL, m, partial_sums_u=u).permute(1, 0, 2, 3)
         out = squares if out is None else torch.maximum(out, squares)
