@@ -66,17 +66,18 @@ def _channel_squares(tiles: torch.Tensor, weight: torch.Tensor, m: int, r: int, 
     v = torch.einsum("nckq,lq->nckl", t, b_t)
     v_abs = v.abs()
     # input transform, first pass (α roundings of Σ_p Bᵀ_kp d_pq, each ≤ u·Σ|Bᵀ_kp d_pq|): coefficient Σ_l |B_lq||U_kl|AA
+    # (|A_ik| factors out of the coefficient: c = |A_ik|·Σ_l |A_jl||B_lq||U_kl|, so its square is summed over k last)
     b1 = torch.einsum("kp,ncpq->nckq", b_abs, tiles.abs())
-    c1 = torch.einsum("lq,ockl,ijkl->ocijkq", b_abs, u_abs, aa)
-    total = alpha * torch.einsum("nckq,ocijkq->noij", b1 * b1, c1 * c1)
+    c1 = torch.einsum("ockl,jlq->ocjkq", u_abs, torch.einsum("jl,lq->jlq", a_abs, b_abs))
+    total = alpha * torch.einsum("ik,nojk->noij", a_abs * a_abs, torch.einsum("nckq,ocjkq->nojk", b1 * b1, c1 * c1))
     # second pass (α roundings of V_kl, ≤ Σ_q |T_kq B_lq|) and the products U_kl·V_kl (one each): coefficient |U_kl|·AA
     b2 = torch.einsum("nckq,lq->nckl", t.abs(), b_abs)
     total += torch.einsum("nckl,ockl,ijkl->noij", alpha * b2 * b2 + v_abs * v_abs, u_abs * u_abs, aa2)
     # weight transform: (G w)_kq (r roundings, ≤ Σ_p |G_kp w_pq|), coefficient Σ_l |G_lq||V_kl|AA; U_kl (r roundings,
     # ≤ Σ_q |(G w)_kq G_lq|), coefficient |V_kl|·AA
     b3 = torch.einsum("kp,ocpq->ockq", g_abs, weight.abs())
-    c3 = torch.einsum("lq,nckl,ijkl->ncijkq", g_abs, v_abs, aa)
-    total += r * torch.einsum("ockq,ncijkq->noij", b3 * b3, c3 * c3)
+    c3 = torch.einsum("nckl,jlq->ncjkq", v_abs, torch.einsum("jl,lq->jlq", a_abs, g_abs))
+    total += r * torch.einsum("ik,nojk->noij", a_abs * a_abs, torch.einsum("ockq,ncjkq->nojk", b3 * b3, c3 * c3))
     b4 = torch.einsum("ockq,lq->ockl", gw.abs(), g_abs)
     total += r * torch.einsum("ockl,nckl,ijkl->noij", b4 * b4, v_abs * v_abs, aa2)
     nonzero = torch.einsum("ockl,nckl->nokl", (u != 0).to(u.dtype), (v != 0).to(v.dtype)) if count_nonzero else 0
