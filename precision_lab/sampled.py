@@ -201,7 +201,9 @@ def deviations(trace, precision: str, lam: float, samples: int = SAMPLES):
     generator = torch.Generator(device="cpu").manual_seed(1_000_003 * (problem.seed + 1))
 
     def draw(like: torch.Tensor) -> torch.Tensor:
-        return torch.randn(like.shape, generator=generator, device="cpu", dtype=like.dtype).to(like.device)
+        # drawn in float32 (5× faster than float64 on a CPU): a N(0, 1) draw's 2⁻²⁴ relative rounding is nothing
+        # beside the margin c = FACTOR
+        return torch.randn(like.shape, generator=generator, device="cpu", dtype=torch.float32).to(like.device, like.dtype)
 
     rules = {layer.index: SampledOp(OPS[layer.op], draw, u, lam) for layer in network.layers}
     rules["loss"] = SampledLoss(LOSSES[network.loss], draw, u)
