@@ -138,11 +138,20 @@ def _run_chunks(work, jobs, device: torch.device) -> list:
         return [work(job) for job in jobs]
     torch.set_num_threads(1)
     try:
-        # OpenMP's thread count is per thread: each worker sets its own to 1
-        with ThreadPoolExecutor(max_workers=threads, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            return list(pool.map(work, jobs))
+        return list(_pool(threads).map(work, jobs))
     finally:
         torch.set_num_threads(threads)
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """One pool per thread count, kept: starting the threads anew on every call cost more than a small layer's work."""
+    if threads not in _POOLS:
+        # OpenMP's thread count is per thread: each worker sets its own to 1
+        _POOLS[threads] = ThreadPoolExecutor(max_workers=threads, initializer=torch.set_num_threads, initargs=(1,))
+    return _POOLS[threads]
 
 
 class Im2colConv:
