@@ -116,6 +116,20 @@ def test_a_layer_that_may_be_transformed_keeps_the_transforms_scale(mixed, monke
     assert np.allclose(large.accumulation, roundoff.probabilistic_gamma(large.n, U) * large.abs_sum, rtol=1e-5)
 
 
+def test_a_bias_gradient_is_bounded_as_any_order_of_its_sum(mixed):
+    """Σ of the output gradient: only summation orders compute it, so its zeros and balanced signs tighten its own
+    part, and the order whose partial sums climb highest stays inside it."""
+    network, _, trace = mixed
+    bias = errmodel.error_bounds(trace, "float32")["conv5.bias"]
+    gamma = roundoff.probabilistic_gamma(bias.n, U)
+    # max-pool 4 passes one gradient in 16 (ReLU: fewer): ≥ 4× below γ̃ₙ·S
+    assert np.max(bias.accumulation / (gamma * bias.abs_sum)) < 0.25
+    g = trace.grad_at(network.index_of("conv5")).double()
+    columns = g.movedim(1, -1).reshape(-1, g.shape[1]).numpy()  # one column per channel
+    worst = np.abs(_float32_sequential(_signs_apart(columns)) - columns.sum(axis=0))
+    assert np.all(worst <= np.asarray(bias.accumulation).reshape(-1))
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_legitimate_orders_stay_rounding_and_a_short_first_layer_does_not(seed):
     network = load_model(MIXED)

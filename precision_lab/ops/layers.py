@@ -379,14 +379,21 @@ def _conv_weight_drift(g, g_repeats, a, attrs, weight_shape, ctx: BoundContext):
 def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext, g_repeats=None) -> Parts:
     """Σ of the output gradient over batch (and pixels): S = Σ|g|, its errors as dependent mean-zero terms.
 
-    The own part is γ̃ₙ(λ)·S, or DRIFT_MARGIN × the simulated sequential sums' error where that is larger,
+    The own part is the partial-sum bound of any summation order (roundoff.partial_sum_bound: only orders compute
+    this sum) plus the absorbed terms, or DRIFT_MARGIN × the simulated sequential sums' error where that is larger,
     for the channels whose terms repeat (`roundoff.repeats`): a gradient broadcast by a global pool or a
     mean loss is n equal terms, which stagnate (`roundoff.column_drift`)."""
     n = 1
     for d in dims:
         n *= g_abs.shape[d]
     abs_sum = g_abs.sum(dim=dims)
-    own = ctx.gamma(n) * abs_sum
+    signed = g.sum(dim=dims)
+    # the terms the candidate may hold nonzero, counted before the weight part squares the errors in place
+    live = _may_be_nonzero(g, grad.error, grad.flips).sum(dim=dims)
+    threshold = roundoff.absorption_threshold(abs_sum.double(), signed.double(), n, ctx.u)
+    terms = g.movedim(1, -1).reshape(-1, g.shape[1])  # one column per channel
+    absorbed = roundoff.absorbed_mass(terms.double(), threshold).to(abs_sum.dtype)
+    own = roundoff.partial_sum_bound(abs_sum, signed, live, n, ctx.u, ctx.lam).add_(absorbed)
     drifted = None
     if n > 1:
         # one column per channel that repeats, its terms in raster order (batch, row, column)
