@@ -7,8 +7,9 @@ largest error of a float32 sum over the candidate's orders (raster, reversed, co
 9 – 100 interleaved lanes, blocks of 100, 256 and 1000, pairwise) and over terms moved by 3 ulps or by
 random few-ulp amounts (the
 candidate's own values), divided by (a) the simulated worst `roundoff.sequential_drift` and (b) the own
-part the lab uses, max(γ̃ₙ(λ)·S, DRIFT_MARGIN × simulated) where `roundoff.repeats` says the terms
-repeat, else γ̃ₙ(λ)·S. (a) ≤ DRIFT_MARGIN is what the margin
+part the lab uses for a bias gradient, max(order-free bound, DRIFT_MARGIN × simulated) where `roundoff.repeats`
+says the terms repeat, else the order-free bound (roundoff.order_free_bound: the partial-sum bound plus the
+absorbed terms). (a) ≤ DRIFT_MARGIN is what the margin
 needs; (b) < 1 is no false alarm.
 """
 from __future__ import annotations
@@ -82,7 +83,9 @@ def main() -> None:
                 x32 = x.astype(np.float32)
                 drift = float(roundoff.sequential_drift(torch.from_numpy(x32)[None])[0])
                 S = float(np.abs(x32.astype(np.float64)).sum())
-                own = roundoff.probabilistic_gamma(n, U) * S
+                # a bias gradient's own part: only summation orders compute it (roundoff.order_free_bound)
+                column = torch.from_numpy(x32.astype(np.float64).reshape(-1, 1))
+                own = float(roundoff.order_free_bound(column, (column != 0).sum(0), U)[0])
                 if roundoff.repeats(torch.from_numpy(x32), n):  # the lab simulates only what repeats
                     own = max(own, roundoff.DRIFT_MARGIN * drift)
                 worst = 0.0

@@ -147,6 +147,16 @@ def absorbed_mass(terms: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     return torch.where(magnitude < threshold, magnitude, torch.zeros((), dtype=magnitude.dtype)).sum(dim=0)
 
 
+def order_free_bound(terms: torch.Tensor, live_terms: torch.Tensor, u: float, lam: float = LAMBDA) -> torch.Tensor:
+    """The own part of each column's sum when only summation orders compute it: partial_sum_bound plus the
+    absorbed_mass of its terms (rows), in float64. `live_terms`: per column, the terms the candidate may hold
+    nonzero (at least the nonzero ones)."""
+    terms = terms.double()
+    abs_sum, exact_sum, n = terms.abs().sum(dim=0), terms.sum(dim=0), terms.shape[0]
+    absorbed = absorbed_mass(terms, absorption_threshold(abs_sum, exact_sum, n, u))
+    return partial_sum_bound(abs_sum, exact_sum, live_terms.double(), n, u, lam).add_(absorbed)
+
+
 def dependency_count(radius: int | None, terms_per_group: int) -> int:
     """χ* bound for the terms of a sum over an image grid whose error at p depends on roundings within
     `radius` pixels of p: elements farther apart than 2·radius share no rounding event, so the dependency

@@ -387,13 +387,10 @@ def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext, g_
     for d in dims:
         n *= g_abs.shape[d]
     abs_sum = g_abs.sum(dim=dims)
-    signed = g.sum(dim=dims)
     # the terms the candidate may hold nonzero, counted before the weight part squares the errors in place
     live = _may_be_nonzero(g, grad.error, grad.flips).sum(dim=dims)
-    threshold = roundoff.absorption_threshold(abs_sum.double(), signed.double(), n, ctx.u)
-    terms = g.movedim(1, -1).reshape(-1, g.shape[1])  # one column per channel
-    absorbed = roundoff.absorbed_mass(terms.double(), threshold).to(abs_sum.dtype)
-    own = roundoff.partial_sum_bound(abs_sum, signed, live, n, ctx.u, ctx.lam).add_(absorbed)
+    columns = g.movedim(1, -1).reshape(-1, g.shape[1])  # one column of terms per channel
+    own = roundoff.order_free_bound(columns, live, ctx.u, ctx.lam).to(abs_sum.dtype)
     drifted = None
     if n > 1:
         # one column per channel that repeats, its terms in raster order (batch, row, column)
