@@ -147,14 +147,23 @@ def absorbed_mass(terms: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     return torch.where(magnitude < threshold, magnitude, torch.zeros((), dtype=magnitude.dtype)).sum(dim=0)
 
 
-def order_free_bound(terms: torch.Tensor, live_terms: torch.Tensor, u: float, lam: float = LAMBDA) -> torch.Tensor:
-    """The own part of each column's sum when only summation orders compute it: partial_sum_bound plus the
-    absorbed_mass of its terms (rows), in float64. `live_terms`: per column, the terms the candidate may hold
-    nonzero (at least the nonzero ones)."""
-    terms = terms.double()
-    abs_sum, exact_sum, n = terms.abs().sum(dim=0), terms.sum(dim=0), terms.shape[0]
-    absorbed = absorbed_mass(terms, absorption_threshold(abs_sum, exact_sum, n, u))
-    return partial_sum_bound(abs_sum, exact_sum, live_terms.double(), n, u, lam).add_(absorbed)
+def order_free_bound(terms: torch.Tensor, live_terms: torch.Tensor, u: float, lam: float = LAMBDA,
+                     dims: tuple[int, ...] = (0,)) -> torch.Tensor:
+    """The own part of each sum over `dims` of `terms` when only summation orders compute it: partial_sum_bound
+    plus the absorbed_mass of its terms, summed in float64 without a float64 copy of the terms (a bias gradient
+    at 1024² is 2M terms a channel). `live_terms`: per sum, the terms the candidate may hold nonzero (at least
+    the nonzero ones)."""
+    n = math.prod(terms.shape[d] for d in dims)
+    magnitude = terms.abs()
+    abs_sum = magnitude.sum(dim=dims, keepdim=True, dtype=torch.float64)
+    exact_sum = terms.sum(dim=dims, keepdim=True, dtype=torch.float64)
+    threshold = absorption_threshold(abs_sum, exact_sum, n, u)
+    # in the terms' format, rounded up: a term at the threshold's float64 value is never left out
+    limit = threshold.to(magnitude.dtype)
+    limit = torch.where(limit.double() < threshold, torch.nextafter(limit, torch.full_like(limit, math.inf)), limit)
+    absorbed = magnitude.masked_fill_(magnitude >= limit, 0.0).sum(dim=dims, keepdim=True, dtype=torch.float64)
+    own = partial_sum_bound(abs_sum, exact_sum, live_terms.double().reshape(abs_sum.shape), n, u, lam).add_(absorbed)
+    return own.reshape(live_terms.shape)
 
 
 def dependency_count(radius: int | None, terms_per_group: int) -> int:

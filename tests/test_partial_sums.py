@@ -130,6 +130,15 @@ def test_a_bias_gradient_is_bounded_as_any_order_of_its_sum(mixed):
     assert np.all(worst <= np.asarray(bias.accumulation).reshape(-1))
 
 
+def test_above_its_size_a_bias_gradient_keeps_the_union_bound(mixed, monkeypatch):
+    from precision_lab.ops import layers
+
+    _, problem, _ = mixed
+    monkeypatch.setattr(layers, "BIAS_ORDER_FREE_LIMIT", 0)
+    bias = errmodel.error_bounds(reference(problem), "float32")["conv5.bias"]
+    assert np.allclose(bias.accumulation, roundoff.probabilistic_gamma(bias.n, U) * bias.abs_sum, rtol=1e-6)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_legitimate_orders_stay_rounding_and_a_short_first_layer_does_not(seed):
     network = load_model(MIXED)
