@@ -3,7 +3,7 @@
     python benchmarks/repeated_values.py [--sizes 128,1024] [--trials 3]
 
 For each family of terms (the shapes a broadcast gradient takes), batch 2 at each size, prints the
-largest error of a float32 sum over the candidate's orders (raster, reversed, columns first, 8 shuffles,
+largest error of a float32 sum over the candidate's orders (raster, reversed, columns first, signs apart, 8 shuffles,
 9 – 100 interleaved lanes, blocks of 100, 256 and 1000, pairwise) and over terms moved by 3 ulps or by
 random few-ulp amounts (the
 candidate's own values), divided by (a) the simulated worst `roundoff.sequential_drift` and (b) the own
@@ -51,6 +51,8 @@ def candidate_sums(x32: np.ndarray) -> list[float]:
     n = flat.size
     sums = [np.add.accumulate(flat)[-1], np.add.accumulate(flat[::-1])[-1],
             np.add.accumulate(np.swapaxes(x32, -1, -2).reshape(-1))[-1]]
+    zero = np.float32(0)
+    sums.append(np.add.accumulate(np.where(flat > 0, flat, zero))[-1] + np.add.accumulate(np.where(flat < 0, flat, zero))[-1])
     for seed in range(8):
         sums.append(np.add.accumulate(flat[np.random.default_rng(seed).permutation(n)])[-1])
     for lanes in (9, 10, 11, 13, 24, 48, 96, 100):

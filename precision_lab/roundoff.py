@@ -218,7 +218,8 @@ DRIFT_SAMPLE = 4096
 def column_drift(columns, grid: tuple | None = None, precision: str = "float32"):
     """Largest |sequential sum − exact sum| of each column of `columns` (n, E), over the orders a loop or
     atomics use: raster, reversed, the last two axes of `grid` (n = Π grid, raster order) swapped
-    (column-major loops), one shuffled order, and DRIFT_LANES interleaved accumulators; and, in raster
+    (column-major loops), one shuffled order, the positive and the negative terms in two accumulators
+    (where repeated values of each sign stagnate apart), and DRIFT_LANES interleaved accumulators; and, in raster
     order and in lanes, over the terms moved by DRIFT_ULP_SHIFTS ulps.
 
     The terms are rounded to the accumulation format and added in it; the exact sum is that of the same
@@ -255,7 +256,11 @@ def column_drift(columns, grid: tuple | None = None, precision: str = "float32")
         block = np.asarray(columns[:, first:first + DRIFT_BLOCK], np.float32)
         if block.shape[1] == 1:
             block = np.concatenate([block, np.zeros_like(block)], axis=1)
-        sums = lane_orders(block) + [np.add.reduce(block[::-1], axis=0), np.add.reduce(block[shuffle], axis=0)]
+        zero = np.float32(0)
+        signs_apart = (np.add.reduce(np.where(block > 0, block, zero), axis=0)
+                       + np.add.reduce(np.where(block < 0, block, zero), axis=0))
+        sums = lane_orders(block) + [np.add.reduce(block[::-1], axis=0), np.add.reduce(block[shuffle], axis=0),
+                                     signs_apart]
         if grid is not None and len(grid) >= 2:
             sums.append(np.add.reduce(np.swapaxes(block.reshape(*grid, -1), -2, -3).reshape(n, -1), axis=0))
         found = worst(block, sums)

@@ -49,8 +49,13 @@ def test_confusion_matrix_every_candidate_in_its_class(zoo_table):
 def test_no_false_alarm_and_margin_on_legitimate_variants(zoo_table):
     legit = zoo_table[zoo_table.family == "legitimate"]
     assert len(legit) >= 6 and (legit.verdict == "roundoff").all()
-    # the worst legitimate variant uses under a tenth of the bound: room for BLAS and order changes
-    assert legit.worst_ratio.max() < 0.1, legit.to_string()
+    # the orders implementations use stay under a tenth of the bound: room for BLAS and order changes
+    usual = legit[legit.candidate != "sums-signs-apart"]
+    assert usual.worst_ratio.max() < 0.1, usual.to_string()
+    # the order whose partial sums climb highest, which any every-order bound must cover, comes closer (3.9 – 9×
+    # below the own part, benchmarks/order_free_limit.py) but keeps a factor 2
+    adversarial = legit[legit.candidate == "sums-signs-apart"]
+    assert len(adversarial) == 1 and adversarial.worst_ratio.max() < 0.5, adversarial.to_string()
 
 
 def test_defects_are_far_outside_the_bound_except_the_subtle_ones(zoo_table):

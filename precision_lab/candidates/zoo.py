@@ -83,8 +83,16 @@ def sum_kahan(terms: np.ndarray, steps: int = 64) -> np.ndarray:
     return (total + compensation)[..., 0]
 
 
+def sum_signs_apart(terms: np.ndarray) -> np.ndarray:
+    """Σ along the last axis in two accumulators, the positive terms in one and the negative in the other, each left
+    to right, added at the end: the order whose partial sums climb highest (to S₊ and S₋, not ~√n as cancelling
+    terms in raster order do), which a bound that holds for every summation order has to cover."""
+    zero = terms.dtype.type(0)
+    return sum_sequential(np.where(terms > 0, terms, zero)) + sum_sequential(np.where(terms < 0, terms, zero))
+
+
 SUMMATION_ORDERS = {"sequential": sum_sequential, "pairwise": sum_pairwise, "blocked": sum_blocked,
-                    "kahan": sum_kahan}
+                    "kahan": sum_kahan, "signs-apart": sum_signs_apart}
 
 
 class OrderedWeightGrad:
@@ -196,6 +204,46 @@ register(Candidate(name="bias-sequential", description="bias gradients summed ov
                        problem, precision, device,
                        rules={op: BackwardReplaced(OPS[op], _bias_sequential) for op in ("conv2d", "linear")}),
                    family="legitimate", expected="roundoff", applies=lambda n: bool(n.bias_names)))
+
+
+def _bias_signs_apart(op, attrs, g, xs, y, params, kernels, need):
+    grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
+    if "bias" in param_grads:
+        rows = (g.movedim(1, 0) if g.dim() == 4 else g.T).reshape(g.shape[1], -1)
+        param_grads["bias"] = torch.from_numpy(sum_signs_apart(rows.detach().cpu().numpy()).copy()).to(g.device)
+    return grads, param_grads
+
+
+class _SignsApartLoss:
+    """The loss's mean over positions as sum_signs_apart of the per-position terms (all ≥ 0: one running sum, left
+    to right, the sum whose partial sums grow the most), ÷ their count; its gradient as the loss computes it."""
+
+    def __init__(self, loss):
+        self.loss = loss
+
+    def forward_backward(self, y: torch.Tensor, t: torch.Tensor, in_place: bool = False):
+        _, grad = self.loss.forward_backward(y, t, in_place=False)
+        if self.loss.name == "mse":
+            residual = y - t
+            terms = residual * residual
+        else:  # cross-entropy: log-sum-exp minus the target's logit at each position
+            _, _, _, lse, z_t = self.loss._parts(y, t)
+            terms = lse - z_t
+        total = sum_signs_apart(terms.detach().reshape(1, -1).cpu().numpy())[0]
+        count = self.loss.positions(y)
+        return torch.tensor(total, dtype=y.dtype, device=y.device) / count, grad
+
+
+def _sums_signs_apart(problem: Problem, precision: str, device: torch.device) -> Result:
+    rules = {op: BackwardReplaced(OPS[op], _bias_signs_apart) for op in ("conv2d", "linear")}
+    rules["loss"] = _SignsApartLoss(LOSSES[problem.network.loss])
+    return forward_backward(problem, precision, device, rules=rules,
+                            kernels=Kernels(weight_grad=OrderedWeightGrad("signs-apart"), name="sum-signs-apart"))
+
+
+register(Candidate(name="sums-signs-apart", description="weight and bias gradients summed over batch·H·W, and the loss "
+                   "over positions, with the positive and the negative terms in two accumulators: the order whose "
+                   "partial sums climb highest", run=_sums_signs_apart, family="legitimate", expected="roundoff"))
 
 
 def _micro_batched(problem: Problem, precision: str, device: torch.device) -> Result:
