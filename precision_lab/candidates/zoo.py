@@ -234,16 +234,34 @@ class _SignsApartLoss:
         return torch.tensor(total, dtype=y.dtype, device=y.device) / count, grad
 
 
+class _SignsApartKernels(Kernels):
+    """Linear layers' forward and input-gradient sums (over the fan-in, the fan-out) in sum_signs_apart's order,
+    the products rounded to the working dtype; convolutions' forward and input gradients stay native."""
+
+    @staticmethod
+    def _sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """(B, J) from a (B, K) and b (J, K): Σ_k a_bk·b_jk, the terms in sum_signs_apart's order."""
+        a_np, b_np = a.detach().cpu().numpy(), b.detach().cpu().numpy()
+        return torch.from_numpy(sum_signs_apart(a_np[:, None, :] * b_np[None, :, :]).copy()).to(a.device)
+
+    def linear_forward(self, x, w):
+        return self._sums(x, w)
+
+    def linear_input_grad(self, g, w):
+        return self._sums(g, w.T)
+
+
 def _sums_signs_apart(problem: Problem, precision: str, device: torch.device) -> Result:
     rules = {op: BackwardReplaced(OPS[op], _bias_signs_apart) for op in ("conv2d", "linear")}
     rules["loss"] = _SignsApartLoss(LOSSES[problem.network.loss])
-    return forward_backward(problem, precision, device, rules=rules,
-                            kernels=Kernels(weight_grad=OrderedWeightGrad("signs-apart"), name="sum-signs-apart"))
+    kernels = _SignsApartKernels(weight_grad=OrderedWeightGrad("signs-apart"), name="sums-signs-apart")
+    return forward_backward(problem, precision, device, rules=rules, kernels=kernels)
 
 
-register(Candidate(name="sums-signs-apart", description="weight and bias gradients summed over batch·H·W, and the loss "
-                   "over positions, with the positive and the negative terms in two accumulators: the order whose "
-                   "partial sums climb highest", run=_sums_signs_apart, family="legitimate", expected="roundoff"))
+register(Candidate(name="sums-signs-apart", description="weight and bias gradients summed over batch·H·W, linear layers' "
+                   "outputs and input gradients, and the loss over positions, with the positive and the negative terms in "
+                   "two accumulators: the order whose partial sums climb highest", run=_sums_signs_apart,
+                   family="legitimate", expected="roundoff"))
 
 
 def _micro_batched(problem: Problem, precision: str, device: torch.device) -> Result:
