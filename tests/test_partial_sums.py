@@ -222,3 +222,26 @@ def test_a_term_counts_where_the_candidate_may_hold_it_nonzero():
     assert _may_be_nonzero(value).tolist() == [0, 1, 0, 0, 1]
     assert _may_be_nonzero(value, error, flips).tolist() == [0, 1, 1, 1, 1]
     assert _may_be_nonzero(value, None, flips).tolist() == [0, 1, 0, 1, 1]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_loss_summed_in_a_loop_keeps_the_squares_it_absorbs(seed):
+    """A mean squared error over 2¹⁷ positions, most residuals small (a denoiser's): a float32 loop loses every square
+    below an ulp of its running sum, all one way, past γ̃ₙ(λ)·S; the loss's own part holds it."""
+    from types import SimpleNamespace
+
+    from precision_lab.candidates.zoo import sum_sequential
+    from precision_lab.ops.losses import _mean_own
+
+    rng = np.random.default_rng(seed)
+    n = 2 ** 17
+    residual = rng.standard_normal(n).astype(np.float32)
+    residual[rng.random(n) < 0.6] *= np.float32(0.03)
+    squares = residual * residual
+    exact = squares.astype(np.float64).sum()
+    error = abs(float(sum_sequential(squares[None])[0]) - exact)
+    ctx = SimpleNamespace(u=U, lam=LAM)
+    own = n * float(_mean_own(torch.from_numpy(squares.astype(np.float64)).reshape(-1, 1), n + 16, n,
+                              torch.tensor([exact / n]), ctx)[0])
+    assert error > roundoff.probabilistic_gamma(n + 2, U) * exact  # the union bound alone is exceeded
+    assert error < 0.5 * own

@@ -3,8 +3,11 @@
 Each loss gives its value and ∂loss/∂output (the start of every backward) and its part of the
 error model: the loss's own bound and the error of ∂loss/∂output from the output's error E_y.
 
-* both: the mean's own rounding is γ̃ₙ(λ)·S, or more where the terms repeat (a constant residual,
-  uniform logits: `roundoff.sequential_drift`).
+* both: the mean's own rounding is that of a sum only summation orders compute (`roundoff.order_free_bound`:
+  the partial-sum bound, at most γ̃ₙ(λ)·S, plus the terms a running sum as large as the loss absorbs:
+  a loop over 2·128² squared residuals of a normal size loses those below an ulp of the sum, 0.82 of
+  γ̃ₙ(λ)·S on the deep denoiser, all one way), divided by the count (one more rounding), or more where
+  the terms repeat (a constant residual, uniform logits: `roundoff.sequential_drift`).
 * mse: loss = Σr²/N with r = y − t: N positive terms (S = loss); the output error enters to first
   order through 2|r|/N and to second through E_y²/N. ∂loss/∂y = 2r/N, computed with two roundings
   (the subtraction and the scaling: γ₂, Higham 2002 Lemma 3.1) on top of 2E_y/N.
@@ -49,7 +52,10 @@ class MSE:
         residual = (y.double() - target.double()).to(torch.float32)
         n_out = residual.numel()
         loss_sum = torch.tensor([float(loss)], dtype=torch.float64, device=y.device)
-        accumulation, drifted = _own_part(ctx.gamma(n_out + 2) * loss_sum, residual * residual, n_out, ctx)
+        squares = (y.double() - target.double()).square_().reshape(-1, 1)
+        # each term carries its subtraction's rounding too (2u·r²): 16 more in √(k + 3)'s count (Σ(2t)² ≤ 16M²)
+        own = _mean_own(squares, n_out + 16, n_out, loss_sum, ctx)
+        accumulation, drifted = _own_part(own, residual * residual, n_out, ctx)
         error = out.error if out.error is not None else torch.zeros_like(residual)
         chi = roundoff.dependency_count(out.radius, _pixels(y)) * _channels(y)
         first_order = ctx.sum_of_errors((residual.abs() * error).sum().double(),
@@ -58,6 +64,14 @@ class MSE:
         grad_error = (2.0 / n_out) * (error + roundoff.gamma(2, ctx.u) * residual.abs())
         return (Parts(n_out, loss_sum, accumulation, 0.0, propagated, out.flips, drifted),
                 GradField(grad_error, None, out.radius, 0))
+
+
+def _mean_own(terms: torch.Tensor, live: int, count: int, mean: torch.Tensor, ctx) -> torch.Tensor:
+    """A mean's own rounding: order_free_bound of the sum of `terms` (a column, float64) ÷ `count`, plus the
+    division's rounding u·|mean|."""
+    summed = roundoff.order_free_bound(terms, torch.tensor([float(live)], dtype=torch.float64, device=terms.device),
+                                       ctx.u, ctx.lam)
+    return summed / count + ctx.u * mean.abs()
 
 
 def _own_part(accumulation: torch.Tensor, terms: torch.Tensor, count: int, ctx):
@@ -124,7 +138,9 @@ class CrossEntropy:
         chi = roundoff.dependency_count(out.radius, _pixels(z))
         propagated = ctx.sum_of_errors(propagated_each.sum(), (propagated_each ** 2).sum(), chi) / count
         loss_sum = torch.tensor([float(loss)], dtype=torch.float64, device=z.device)
-        own, drifted = _own_part(ctx.gamma(count + 1) * loss_sum, lse - z_t, count, ctx)
+        # the positions' terms lᵢ ≥ 0 (their evaluation is `evaluation`, below)
+        own, drifted = _own_part(_mean_own((lse - z_t).reshape(-1, 1), count, count, loss_sum, ctx), lse - z_t,
+                                 count, ctx)
         parts = Parts(count, loss_sum, own, (evaluation.sum() / count).reshape(1),
                       propagated.reshape(1), out.flips, drifted)
         onehot = torch.zeros_like(p).scatter_(1, target.unsqueeze(1), 1.0)
