@@ -24,7 +24,7 @@ it away:
   V̂ = mean Δₖ², P(|error| > c·√V̂) ≤ E[2·exp(−c²V̂/2V)] = 2·(1 + c²/K)^(−K/2) (the moment generating
   function of a χ²_K variable): 1.1·10⁻⁶ per element at K = 16, c = 9 (SAMPLES, FACTOR).
 
-The quantity's own last rounding stays deterministic (γ̃ₙ·S of errmodel) and is added; for every quantity
+The quantity's own last rounding stays deterministic (errmodel's own part) and is added; for every quantity
 the sampled upstream part replaces errmodel's |W|·E where it is smaller (both hold with high probability: so
 does the smaller, with the two failure probabilities added). ReLU flips and max-pool switches are realised by the
 runs as the draws cause them; the draws are at least as large as the roundings they stand for. Not
