@@ -188,14 +188,21 @@ register(Candidate(name="layered-native", description="the backward written out 
                    "(not autograd)", run=_with_kernels(Kernels()), family="legitimate", expected="roundoff"))
 
 
-def _bias_sequential(op, attrs, g, xs, y, params, kernels, need):
-    # a loop (or atomics) with one accumulator per channel: the order that stagnates on repeated values
-    grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
-    if "bias" in param_grads:
-        rows = (g.movedim(1, 0) if g.dim() == 4 else g.T).reshape(g.shape[1], -1)
-        terms = rows.detach().cpu().numpy()
-        param_grads["bias"] = torch.from_numpy(sum_sequential(terms).copy()).to(g.device)
-    return grads, param_grads
+def _bias_summed(reduce):
+    """A backward whose bias gradients are `reduce` of each channel's terms (batch, then H, W: raster order)."""
+
+    def backward(op, attrs, g, xs, y, params, kernels, need):
+        grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
+        if "bias" in param_grads:
+            rows = (g.movedim(1, 0) if g.dim() == 4 else g.T).reshape(g.shape[1], -1)
+            param_grads["bias"] = torch.from_numpy(reduce(rows.detach().cpu().numpy()).copy()).to(g.device)
+        return grads, param_grads
+
+    return backward
+
+
+# a loop (or atomics) with one accumulator per channel: the order that stagnates on repeated values
+_bias_sequential = _bias_summed(sum_sequential)
 
 
 register(Candidate(name="bias-sequential", description="bias gradients summed over batch·H·W left to right, one "
@@ -204,14 +211,6 @@ register(Candidate(name="bias-sequential", description="bias gradients summed ov
                        problem, precision, device,
                        rules={op: BackwardReplaced(OPS[op], _bias_sequential) for op in ("conv2d", "linear")}),
                    family="legitimate", expected="roundoff", applies=lambda n: bool(n.bias_names)))
-
-
-def _bias_signs_apart(op, attrs, g, xs, y, params, kernels, need):
-    grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
-    if "bias" in param_grads:
-        rows = (g.movedim(1, 0) if g.dim() == 4 else g.T).reshape(g.shape[1], -1)
-        param_grads["bias"] = torch.from_numpy(sum_signs_apart(rows.detach().cpu().numpy()).copy()).to(g.device)
-    return grads, param_grads
 
 
 class _SignsApartLoss:
@@ -252,7 +251,7 @@ class _SignsApartKernels(Kernels):
 
 
 def _sums_signs_apart(problem: Problem, precision: str, device: torch.device) -> Result:
-    rules = {op: BackwardReplaced(OPS[op], _bias_signs_apart) for op in ("conv2d", "linear")}
+    rules = {op: BackwardReplaced(OPS[op], _bias_summed(sum_signs_apart)) for op in ("conv2d", "linear")}
     rules["loss"] = _SignsApartLoss(LOSSES[problem.network.loss])
     kernels = _SignsApartKernels(weight_grad=OrderedWeightGrad("signs-apart"), name="sums-signs-apart")
     return forward_backward(problem, precision, device, rules=rules, kernels=kernels)
