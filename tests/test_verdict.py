@@ -143,3 +143,15 @@ def test_noise_floor_ensemble_sits_under_the_bound():
     assert floor["bound_ratio"].max() <= 1.0
     spread = floor[floor.member == "ensemble-spread"].set_index("quantity")
     assert spread.loc["conv2.weight", "max_abs_err"] > 0  # the members really differ
+
+
+def test_second_ratio_is_the_second_largest_element_ties_included():
+    from precision_lab.compare import measure
+
+    ref = np.ones(6)
+    bound = np.full(6, 1e-3)
+    got = ref + np.array([0.0, 5e-4, 2e-3, 2e-3, 1e-4, 0.0])
+    q = measure("w", got, ref, bound)
+    assert q.bound_ratio == pytest.approx(2.0) and q.second_ratio == pytest.approx(2.0) and q.exceeding == 2
+    got[3] = 1.0
+    assert measure("w", got, ref, bound).second_ratio == pytest.approx(0.5)

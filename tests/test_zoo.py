@@ -4,6 +4,7 @@ import pytest
 
 from precision_lab.candidates import registry
 from precision_lab.calibration import confusion_matrix, judge_zoo
+from precision_lab.candidates import zoo
 from precision_lab.candidates.zoo import OrderedWeightGrad
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference
@@ -90,3 +91,13 @@ def test_ordered_weight_gradients_agree_with_native(problem):
         ordered = OrderedWeightGrad(order).conv(x, g, SEED_CONV, tuple(native.shape))
         assert ordered.shape == native.shape and ordered.dtype == torch.float32
         assert torch.allclose(ordered.double(), native, rtol=0, atol=1e-4), order
+
+
+def test_a_blocked_sum_of_one_block_is_the_sequential_sum_of_its_terms():
+    # a linear layer's weight gradient at batch 2 sums 2 terms: one block, nothing padded
+    rng = np.random.default_rng(4)
+    terms = rng.standard_normal((7, 5, 2)).astype(np.float32) * np.float32(1e3)
+    assert np.array_equal(zoo.sum_blocked(terms), zoo.sum_sequential(terms))
+    long = rng.standard_normal((3, 1000)).astype(np.float32)
+    expected = zoo.sum_sequential(np.stack([zoo.sum_sequential(long[:, i:i + 256]) for i in range(0, 1000, 256)], -1))
+    assert np.array_equal(zoo.sum_blocked(long), expected)

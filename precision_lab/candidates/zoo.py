@@ -47,6 +47,8 @@ def sum_pairwise(terms: np.ndarray) -> np.ndarray:
 def sum_blocked(terms: np.ndarray, block: int = 256) -> np.ndarray:
     """Σ along the last axis: sequential within blocks of `block`, then sequential over block sums."""
     n = terms.shape[-1]
+    if n <= block:  # one block: the same sum, without padding a batch of 2 out to 256 terms
+        return sum_sequential(terms)
     padded = -(-n // block) * block
     level = np.concatenate([terms, np.zeros(terms.shape[:-1] + (padded - n,), terms.dtype)], axis=-1)
     block_sums = sum_sequential(level.reshape(terms.shape[:-1] + (padded // block, block)))
