@@ -281,3 +281,21 @@ def test_a_probe_that_cannot_certify_a_near_zero_quantity_abstains_when_every_ot
     probe = judgement(near_zero * (1 + 1e-4), np.full(3, 3e-3), near_zero)
     settle_diagnosis(main_loose, [("p1", probe), ("p2", certified())])
     assert main_loose.verdict == "inconclusive" and probe.verdict == "inconclusive"
+
+
+@pytest.mark.parametrize("spec, layer, change, named", [
+    ("dilated-resnet.yaml", "act2", {"approximate": "tanh"}, "GELU's tanh approximation"),
+    ("small-unet.json", "act2", {"slope": 0.2}, "slope of 0.2 (tf.nn.leaky_relu's default)")])
+def test_an_activation_computed_by_another_frameworks_default_is_named(spec, layer, change, named):
+    # the U-Net's slope error reaches bfloat16's error level by chance here (4×): its pattern is not bfloat16's
+    from precision_lab.doctors import _OtherAttributes
+    from precision_lab.ops import OPS
+
+    network = load_model(MODELS / spec)
+    problem = make_problem(32, 2, 1, network=network)
+    index = network.index_of(layer)
+    ported = forward_backward(problem, "float32",
+                              rules={index: _OtherAttributes(OPS[network.layers[index].op], change)})
+    judgement = judge(ported, reference(problem))
+    assert judgement.verdict == "defect"
+    assert judgement.cause is not None and named in judgement.cause, judgement.to_text()
