@@ -499,6 +499,7 @@ def _hypotheses(reference: Trace, pairs, failing: list[str], recompute: bool):
         yield from _mask_hypotheses(reference)
         yield from _routing_hypotheses(reference)
         yield from _activation_variants(reference)
+        yield from _true_convolutions(reference)
         yield from _stale_weights(reference, pairs, failing)
 
 
@@ -641,7 +642,8 @@ def _mask_hypotheses(reference: Trace):
 
 def _routing_hypotheses(reference: Trace):
     """Backward slips of the routing ops, recomputed in float64: an upsample whose backward takes one gradient
-    per block or averages the block; an add or a concat that passes no gradient to one of its inputs."""
+    per block or averages the block; an add or a concat that passes no gradient to one of its inputs; a concat
+    that joins its inputs in the other order."""
     network = reference.network
     for layer in network.layers:
         if layer.op == "upsample_nearest":
@@ -650,7 +652,12 @@ def _routing_hypotheses(reference: Trace):
                 result = forward_backward(reference.problem, "float64", reference.device,
                                           rules={layer.index: BackwardReplaced(OPS[layer.op], backward)})
                 yield f"{layer.label} backward {text}", result.grads, list(result.grads), False
-        elif layer.op in ("add", "concat"):
+        if layer.op == "concat":
+            result = forward_backward(reference.problem, "float64", reference.device, rules={layer.index: ConcatSwapped()})
+            expected = dict(result.grads, output=result.output, loss=np.asarray(result.loss, np.float64))
+            yield (f"{layer.label} joins the skip from {network.layers[layer.source].label} first: the spec "
+                   "concatenates [previous, skip] along channels", expected, list(expected), False)
+        if layer.op in ("add", "concat"):
             source = network.layers[layer.source].label
             for which, text in ((1, f"passes no gradient to the skip from {source}"),
                                 (0, "passes no gradient to the main branch")):
@@ -707,6 +714,62 @@ class _OtherAttributes:
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
         return self.op.backward({**attrs, **self.changes}, g, xs, y, params, kernels, need)
+
+
+def _true_convolutions(reference: Trace):
+    """Every convolution with a kernel larger than 1×1, and each on its own, recomputed in float64 as a true
+    convolution (the kernel flipped in H and W: cuDNN's CUDNN_CONVOLUTION mode, scipy.signal.convolve2d) where the
+    spec means cross-correlation (CUDNN_CROSS_CORRELATION, as PyTorch, TensorFlow and JAX compute it). The weight
+    gradient is then the flipped problem's, flipped back: the forward differs, not only a buffer's layout."""
+    network = reference.network
+    layers = [layer for layer in network.layers if layer.op == "conv2d" and tuple(layer.attrs["kernel"]) != (1, 1)]
+    groups = ([("every convolution", layers)] if len(layers) > 1 else []) + [(layer.label, [layer]) for layer in layers]
+    for text, group in groups:
+        rules = {layer.index: _TrueConvolution(OPS[layer.op]) for layer in group}
+        result = forward_backward(reference.problem, "float64", reference.device, rules=rules)
+        expected = dict(result.grads, output=result.output, loss=np.asarray(result.loss, np.float64))
+        yield (f"{text} computed as a true convolution, the kernel flipped (cuDNN's CUDNN_CONVOLUTION mode) where the "
+               "spec means cross-correlation (CUDNN_CROSS_CORRELATION, as PyTorch and TensorFlow)", expected,
+               list(expected), False)
+
+
+class _TrueConvolution:
+    """A conv2d computed with its kernel flipped in H and W, its weight gradient flipped back to the kernel's."""
+
+    forward_inplace = None
+    derive_output = None
+    derive_input_grad = None
+    backward_inplace = None
+
+    def __init__(self, op):
+        self.op = op
+
+    @staticmethod
+    def _flipped(params):
+        return dict(params, weight=params["weight"].flip(-2, -1))
+
+    def forward(self, attrs, xs, params, kernels):
+        return self.op.forward(attrs, xs, self._flipped(params), kernels)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        grads, param_grads = self.op.backward(attrs, g, xs, y, self._flipped(params), kernels, need)
+        return grads, dict(param_grads, weight=param_grads["weight"].flip(-2, -1))
+
+
+class ConcatSwapped:
+    """A concat that puts its second input (the skip) first: [skip, previous] where the spec says [previous, skip]."""
+
+    forward_inplace = None
+    derive_output = None
+    derive_input_grad = None
+    backward_inplace = None
+
+    def forward(self, attrs, xs, params, kernels):
+        return torch.cat([xs[1], xs[0]], dim=1)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        split = xs[1].shape[1]
+        return [g[:, split:] if need[0] else None, g[:, :split] if need[1] else None], {}
 
 
 class FlattenHWC:

@@ -299,3 +299,30 @@ def test_an_activation_computed_by_another_frameworks_default_is_named(spec, lay
     judgement = judge(ported, reference(problem))
     assert judgement.verdict == "defect"
     assert judgement.cause is not None and named in judgement.cause, judgement.to_text()
+
+
+def test_a_concat_in_the_other_order_is_named():
+    from precision_lab.doctors import ConcatSwapped
+
+    network = load_model(MODELS / "small-unet.json")
+    problem = make_problem(32, 2, 2, network=network)
+    swapped = forward_backward(problem, "float32", rules={network.index_of("skip"): ConcatSwapped()})
+    judgement = judge(swapped, reference(problem))
+    assert judgement.verdict == "defect"
+    assert judgement.cause is not None and "joins the skip from" in judgement.cause, judgement.to_text()
+
+
+@pytest.mark.parametrize("spec, layers, named", [
+    ("lenet-classifier.json", ("c1", "c2"), "every convolution computed as a true convolution"),
+    ("dilated-resnet.yaml", ("dil",), "computed as a true convolution")])
+def test_a_true_convolution_where_the_spec_means_cross_correlation_is_named(spec, layers, named):
+    from precision_lab.doctors import _TrueConvolution
+    from precision_lab.ops import OPS
+
+    network = load_model(MODELS / spec)
+    problem = make_problem(28 if "lenet" in spec else 32, 2, 3, network=network)
+    rules = {network.index_of(name): _TrueConvolution(OPS["conv2d"]) for name in layers}
+    judgement = judge(forward_backward(problem, "float32", rules=rules), reference(problem))
+    assert judgement.verdict == "defect"
+    assert judgement.cause is not None and named in judgement.cause, judgement.to_text()
+    assert judgement.layout_fix is None  # not a buffer's layout: the forward itself differs
