@@ -452,8 +452,11 @@ def defects(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
     if tested:
         best = max(tested, key=lambda t: (len(t["explains"]), -t["best_ratio"]))
         causes = {judgement.quantities[n].cause for n in defective}
+        shared = _one_slip_in_every_layer([judgement.quantities[n].cause for n in defective])
         if len(causes) == 1 and None not in causes:
             judgement.cause = causes.pop()  # one cause (first fitted, or the zero-gradient doctor's) for every defect
+        elif shared:
+            judgement.cause = shared
         elif best["explains"] and set(defective) <= set(best["explains"]):
             judgement.cause = best["hypothesis"]
             judgement.evidence.append(f"defect doctor: '{best['hypothesis']}' fits {', '.join(best['explains'])}")
@@ -464,6 +467,18 @@ def defects(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
     if unexplained:
         judgement.evidence.append(f"defect doctor: no named hypothesis fits {', '.join(unexplained)} "
                                   f"({len(tested)} tested)")
+
+
+def _one_slip_in_every_layer(causes) -> str | None:
+    """'conv1, conv2: <slip>' when the failing quantities' causes (in network order) are the same layer-local slip
+    ('<layer>: <slip>') in several layers: one cause, the same mistake made wherever that code runs."""
+    causes = list(dict.fromkeys(causes))
+    if None in causes or len(causes) < 2:
+        return None
+    split = [cause.split(": ", 1) for cause in causes]
+    if any(len(parts) != 2 or " " in parts[0] for parts in split) or len({parts[1] for parts in split}) != 1:
+        return None
+    return f"{', '.join(parts[0] for parts in split)}: {split[0][1]}"
 
 
 def zero_gradients(judgement, pairs) -> None:
@@ -517,10 +532,13 @@ def _constant_factors(pairs, failing, reference: Trace):
     out_count = int(np.prod(reference.output.shape))
     known = {"the number of output elements (a sum where the mean belongs)": out_count,
              "the batch size (a sum over samples where the mean belongs)": problem.batch,
+             "the output elements per sample (a sum over each sample's, a mean over the batch)": out_count / problem.batch,
              "2": 2.0, "1/2 (the 2 of a square's derivative forgotten)": 0.5,
              "1/(number of output elements) twice (a mean taken twice)": 1.0 / out_count}
-    label = next((f"scaled by {value:.6g} = {text}" for text, value in known.items()
-                  if abs(c / value - 1) < 1e-3), f"scaled by a constant {c:.6g}")
+    # a known factor is named without its value, which differs between problems (a probe's size and batch): the
+    # diagnosis names a cause only when every problem names the same one
+    label = next((f"scaled by {text}" for text, value in known.items() if abs(c / value - 1) < 1e-3),
+                 f"scaled by a constant {c:.6g}")
     covers = gradient_names + (["loss"] if "loss" in failing else [])
     yield label, {n: c * pairs[n][1] for n in covers}, covers, False
 

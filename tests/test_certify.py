@@ -326,3 +326,29 @@ def test_a_true_convolution_where_the_spec_means_cross_correlation_is_named(spec
     assert judgement.verdict == "defect"
     assert judgement.cause is not None and named in judgement.cause, judgement.to_text()
     assert judgement.layout_fix is None  # not a buffer's layout: the forward itself differs
+
+
+@pytest.mark.parametrize("candidate, slip", [("padding-offset", "windows shifted by (-1, -1) pixels"),
+                                             ("last-row-skipped", "the last image row of its upstream gradient skipped")])
+def test_the_same_slip_in_every_layer_is_one_cause(candidate, slip):
+    # each layer's weight gradient fits its own layer's hypothesis: together they are one cause, not "unknown"
+    import torch
+
+    from precision_lab.candidates import registry
+    from precision_lab.model import seed_network
+
+    problem = make_problem(64, 2, 1, network=seed_network())
+    result = registry()[candidate].run(problem, "float32", torch.device("cpu"))
+    judgement = judge(result, reference(problem))
+    assert judgement.verdict == "defect"
+    assert judgement.cause == f"conv1, conv2, conv3: {slip}" + (" (a padding offset)" if "shifted" in slip else ""), \
+        judgement.to_text()
+
+
+def test_different_slips_in_different_layers_are_not_one_cause():
+    from precision_lab.doctors import _one_slip_in_every_layer
+
+    assert _one_slip_in_every_layer(["enc1: a", "enc1: a", "down: a"]) == "enc1, down: a"
+    assert _one_slip_in_every_layer(["conv1: a", "conv2: b"]) is None
+    assert _one_slip_in_every_layer(["conv1: a", None]) is None
+    assert _one_slip_in_every_layer(["every ReLU's backward: mask missing", "conv2: mask missing"]) is None
