@@ -22,8 +22,9 @@ What a diagnosis (`precision-lab diagnose`, default probes) says about
    `--network-seeds` seeds with the default probes, judged as diagnose judges (the worst of the problem and
    its probes, after verdict.settle_diagnosis): each layer's gradients zeroed, each weight gradient 10% short (scaled by 0.9), the largest
    element of each weight gradient slipped by ε (smallest ε caught on the grid), and the native float32 run.
-   `--network-spec SPEC:SIZE` runs the same on any model spec (benchmarks/networks/ holds three networks
-   unlike the examples: a GELU/tanh MLP classifier, a strided leaky-ReLU classifier, six sigmoid convolutions).
+   `--network-spec SPEC:SIZE` runs the same on any model spec (benchmarks/networks/ holds networks
+   unlike the examples: a GELU/tanh MLP classifier, a strided leaky-ReLU classifier, six sigmoid convolutions, a
+   global-pool classifier, and a deeper and wider classifier).
 5. `zoo` (only when asked): the whole zoo's confusion matrix at `--zoo-size` (default 128), judged on that
    problem alone, as before probes existed.
 
