@@ -684,6 +684,16 @@ def _routing_hypotheses(reference: Trace):
                 yield f"{layer.label} backward {text}", result.grads, list(result.grads), False
 
 
+class _Rule:
+    """An op's rules replaced for one recomputation: computed plainly (no in-place forward or backward, nothing
+    derived from a neighbour)."""
+
+    forward_inplace = None
+    derive_output = None
+    derive_input_grad = None
+    backward_inplace = None
+
+
 #: other frameworks' defaults for a leaky ReLU's negative slope: a port that keeps its framework's default
 #: computes another function (PyTorch's and JAX's 0.01, tf.nn.leaky_relu's 0.2, Keras's LeakyReLU 0.3)
 LEAKY_SLOPE_DEFAULTS = {0.01: "PyTorch's and JAX's default", 0.2: "tf.nn.leaky_relu's default",
@@ -716,13 +726,8 @@ def _activation_variants(reference: Trace):
             yield f"{layer.label} computed with {text}", expected, list(expected), False
 
 
-class _OtherAttributes:
+class _OtherAttributes(_Rule):
     """An op computed, forward and backward, with some of its attributes changed."""
-
-    forward_inplace = None
-    derive_output = None
-    derive_input_grad = None
-    backward_inplace = None
 
     def __init__(self, op, changes: dict):
         self.op, self.changes = op, changes
@@ -751,13 +756,8 @@ def _true_convolutions(reference: Trace):
                list(expected), False)
 
 
-class _TrueConvolution:
+class _TrueConvolution(_Rule):
     """A conv2d computed with its kernel flipped in H and W, its weight gradient flipped back to the kernel's."""
-
-    forward_inplace = None
-    derive_output = None
-    derive_input_grad = None
-    backward_inplace = None
 
     def __init__(self, op):
         self.op = op
@@ -774,13 +774,8 @@ class _TrueConvolution:
         return grads, dict(param_grads, weight=param_grads["weight"].flip(-2, -1))
 
 
-class ConcatSwapped:
+class ConcatSwapped(_Rule):
     """A concat that puts its second input (the skip) first: [skip, previous] where the spec says [previous, skip]."""
-
-    forward_inplace = None
-    derive_output = None
-    derive_input_grad = None
-    backward_inplace = None
 
     def forward(self, attrs, xs, params, kernels):
         return torch.cat([xs[1], xs[0]], dim=1)
@@ -790,13 +785,8 @@ class ConcatSwapped:
         return [g[:, split:] if need[0] else None, g[:, :split] if need[1] else None], {}
 
 
-class FlattenHWC:
+class FlattenHWC(_Rule):
     """A flatten in (H, W, C) order (a channels-last framework's habit) where the spec flattens (C, H, W)."""
-
-    forward_inplace = None
-    derive_output = None
-    derive_input_grad = None
-    backward_inplace = None
 
     def forward(self, attrs, xs, params, kernels):
         x = xs[0]
@@ -876,13 +866,8 @@ def _stale_weights(reference: Trace, pairs, failing):
            {n: pairs[n][1] + alpha * direction[n] for n in names}, names, False)
 
 
-class _UnmaskedReLU:
+class _UnmaskedReLU(_Rule):
     """A ReLU (or leaky ReLU) whose backward forgot the mask: its forward is the op's own."""
-
-    forward_inplace = None
-    derive_output = None
-    derive_input_grad = None
-    backward_inplace = None
 
     def __init__(self, op):
         self.op = op
