@@ -45,11 +45,13 @@ FORMAT_MATCH_FACTOR = math.sqrt(32.0)
 #: more than this: a correlation over n elements has a standard error ≤ 1/√n, under 0.02 for n ≥ 2500 (an output
 #: of the smallest probe), so 0.05 is a real difference, not sampling noise
 PATTERN_MARGIN = 0.05
-#: a format matched by level names the errors only if they also correlate with what its emulation adds at least
-#: this much. Measured (seeds 1–2, the seed CNN, small U-Net, dilated resnet and LeNet classifier): PyTorch's CPU
-#: autocast to bfloat16, which also stores activations in bfloat16, 0.28 – 0.93; the emulations 1.00; a leaky
-#: ReLU's slope changed from 0.1 to 0.2, at bfloat16's level by chance, 0.00. An unrelated error's correlation over
-#: n ≥ 2500 elements has a standard error ≤ 0.02: 0.1 is five of them
+#: a format matched by level names the errors only if they also correlate with what its emulation adds, either way,
+#: at least this much (|r|). Measured (seeds 1–2, the seed CNN, small U-Net, dilated resnet and LeNet classifier):
+#: PyTorch's CPU autocast to bfloat16, which also stores activations in bfloat16, 0.28 – 0.93; the emulations 1.00;
+#: cuDNN's own TF32 on an H100 (the seed CNN at 1024², data/gpu-runs/) −0.36 and 0.61: its algorithms round other
+#: values than the emulation does, and the sign follows; a leaky ReLU's slope changed from 0.1 to 0.2, at
+#: bfloat16's level by chance, 0.00. An unrelated error's correlation over n ≥ 2500 elements has a standard error
+#: ≤ 0.02: 0.1 is five of them
 FORMAT_PATTERN_MIN = 0.1
 
 #: below this many elements a single exceedance cannot be told from a broad precision loss
@@ -236,12 +238,12 @@ def name_format(pairs, reference: Trace, claimed: str, witnesses: list[str]) -> 
         distance = abs(math.log(level)) if level > 0 else math.inf
         if distance <= math.log(FORMAT_MATCH_FACTOR):
             # a format rounds where its emulation does: its level without its pattern is a coincidence
-            (matching if r >= FORMAT_PATTERN_MIN else unlike).append((fmt, distance, r))
+            (matching if abs(r) >= FORMAT_PATTERN_MIN else unlike).append((fmt, distance, r))
     text = f"error level of {'/'.join(witness)} ÷ emulated format: " + ", ".join(levels)
     if not matching:
         if unlike:
             return None, text + (f" ({' and '.join(m[0] for m in unlike)} at the level, not the pattern: "
-                                 f"r < {FORMAT_PATTERN_MIN:g}; no format explains these errors)")
+                                 f"|r| < {FORMAT_PATTERN_MIN:g}; no format explains these errors)")
         return None, text + " (no format within a factor √32)"
     top = max(matching, key=lambda m: m[2])
     alike = sorted((m for m in matching if top[2] - m[2] < PATTERN_MARGIN), key=lambda m: FALLBACK_FORMATS.index(m[0]))
