@@ -9,7 +9,8 @@ and (in, out) dense kernels, tf.GradientTape). Each is diagnosed (`precision-lab
 on every example network at a size it takes, right (`--seeds` seeds: every verdict should be `roundoff`)
 and with bugs a port makes planted (`--slip-seeds` seeds: each should be `defect` with its cause named):
 a layer off the tape, a flatten in (H, W, C) order, GELU's tanh approximation for the exact one, a concat
-in the other order, a leaky ReLU with TensorFlow's default slope. `--python`: the interpreter the framework
+in the other order, a leaky ReLU with TensorFlow's default slope; and bfloat16 operands left on while
+claiming float32, which should be `reduced-precision (bfloat16)`. `--python`: the interpreter the framework
 programs run in (default: this one; TensorFlow is not a dependency of the lab). Prints one line per
 diagnosis and the counts; exit status 1 if any verdict is not the expected one.
 """
@@ -42,7 +43,7 @@ FRAMEWORKS = {
                    "env": {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "", "TF_NUM_INTRAOP_THREADS": "1",
                            "TF_NUM_INTEROP_THREADS": "1"}},
 }
-#: (framework, --slip argument, network, what the cause must say)
+#: (framework, --slip argument, network, what the verdict must name: a cause, or "reduced-precision (FORMAT)")
 SLIPS = [
     ("tensorflow", "no-grad:conv1", "tf-lenet", "conv1 received no gradient"),
     ("tensorflow", "no-grad:conv1", "wide-classifier", "conv1 received no gradient"),
@@ -53,6 +54,9 @@ SLIPS = [
     ("jax", "gelu-tanh", "dilated-resnet", "GELU's tanh approximation"),
     ("jax", "concat-swapped", "small-unet", "joins the skip from"),
     ("jax", "no-grad:stem", "dilated-resnet", "stem received no gradient"),
+    ("jax", "bf16-operands", "small-unet", "reduced-precision (bfloat16)"),
+    ("jax", "bf16-operands", "lenet-classifier", "reduced-precision (bfloat16)"),
+    ("jax", "bf16-operands", "dilated-resnet", "reduced-precision (bfloat16)"),
 ]
 
 
@@ -103,8 +107,12 @@ def main() -> int:
             for seed in range(seeds):
                 verdict = diagnose(path, network, seed)
                 named = verdict.get("cause") or verdict.get("layout_fix") or verdict.get("format") or ""
-                right = (verdict["verdict"] == "roundoff") if cause is None else (
-                    verdict["verdict"] == "defect" and cause in named)
+                if cause is None:
+                    right = verdict["verdict"] == "roundoff"
+                elif cause.startswith("reduced-precision"):
+                    right = f"{verdict['verdict']} ({named})" == cause
+                else:
+                    right = verdict["verdict"] == "defect" and cause in named
                 total += 1
                 wrong += not right
                 print(f"{framework:10s} {slip or 'right':15s} {network:16s} seed {seed}: {verdict['verdict']}"

@@ -6,6 +6,8 @@ jax.value_and_grad. NCHW activations and OIHW kernels, as the lab holds them.
   gelu-tanh      every GELU by jax.nn.gelu's default, the tanh approximation, where the spec says erf
   concat-swapped every concat joins [skip, previous] where the spec says [previous, skip]
   no-grad:LAYER  LAYER's parameters held by jax.lax.stop_gradient (off the tape: its gradients all zero)
+  bf16-operands  every convolution and dense layer on bfloat16 operands, accumulated in float32 (mixed precision
+                 left on while claiming float32: a lower-precision mode, not a bug)
 """
 import functools
 import sys
@@ -25,16 +27,22 @@ def pool(x, attrs, init, op):
     return jax.lax.reduce_window(x, init, op, (1, 1, kh, kw), (1, 1, sh, sw), ((0, 0), (0, 0), (ph, ph), (pw, pw)))
 
 
+def operands(x, w):
+    """The operands as the multiply sees them: bfloat16 under the bf16-operands slip, else as given."""
+    return (x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)) if SLIP == "bf16-operands" else (x, w)
+
+
 def layer_output(layer, xs, p):
     op, a, x = layer.op, layer.attrs, xs[0]
     if op == "conv2d":
         (ph, pw) = a["padding"]
-        y = jax.lax.conv_general_dilated(x, p[f"{layer.name}.weight"], a["stride"], ((ph, ph), (pw, pw)),
+        y = jax.lax.conv_general_dilated(*operands(x, p[f"{layer.name}.weight"]), a["stride"], ((ph, ph), (pw, pw)),
                                          rhs_dilation=a["dilation"], feature_group_count=a["groups"],
-                                         dimension_numbers=NCHW)
+                                         dimension_numbers=NCHW, preferred_element_type=x.dtype)
         return y + p[f"{layer.name}.bias"][None, :, None, None] if a["bias"] else y
     if op == "linear":
-        y = x @ p[f"{layer.name}.weight"].T
+        inputs, weight = operands(x, p[f"{layer.name}.weight"])
+        y = jnp.matmul(inputs, weight.T, preferred_element_type=x.dtype)
         return y + p[f"{layer.name}.bias"] if a["bias"] else y
     if op == "relu":
         return jax.nn.relu(x)
