@@ -1,7 +1,7 @@
 """Real frameworks on every example network: verdicts a user of JAX or TensorFlow would get.
 
     python benchmarks/third_party.py [--frameworks jax,tensorflow] [--seeds 5] [--slip-seeds 3]
-        [--python PATH] [--networks tf-lenet,small-unet]
+        [--python tensorflow=PATH] [--networks tf-lenet,small-unet]
 
 benchmarks/frameworks/ holds one JAX and one TensorFlow program that compute any model spec as their users
 write it (JAX: lax.conv_general_dilated, reduce_window, jax.nn, NCHW/OIHW; TensorFlow: tf.nn with NHWC/HWIO
@@ -10,8 +10,8 @@ on every example network at a size it takes, right (`--seeds` seeds: every verdi
 and with bugs a port makes planted (`--slip-seeds` seeds: each should be `defect` with its cause named):
 a layer off the tape, a flatten in (H, W, C) order, GELU's tanh approximation for the exact one, a concat
 in the other order, a leaky ReLU with TensorFlow's default slope; and bfloat16 operands left on while
-claiming float32, which should be `reduced-precision (bfloat16)`. `--python`: the interpreter the framework
-programs run in (default: this one; TensorFlow is not a dependency of the lab). Prints one line per
+claiming float32, which should be `reduced-precision (bfloat16)`. `--python FRAMEWORK=PATH`: the interpreter
+that framework's program runs in (default: this one; TensorFlow is not a dependency of the lab). Prints one line per
 diagnosis and the counts; exit status 1 if any verdict is not the expected one.
 """
 from __future__ import annotations
@@ -89,21 +89,26 @@ def main() -> int:
     parser.add_argument("--networks", default=",".join(NETWORKS))
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--slip-seeds", type=int, default=3)
-    parser.add_argument("--python", default=sys.executable, help="interpreter of the framework programs")
+    parser.add_argument("--python", action="append", default=[], metavar="FRAMEWORK=PATH",
+                        help="the interpreter one framework's program runs in (default: this one)")
     args = parser.parse_args()
     frameworks = [f for f in args.frameworks.split(",") if f]
     networks = [n for n in args.networks.split(",") if n]
-    if args.python == sys.executable:
-        missing = [f for f in frameworks if importlib.util.find_spec(FRAMEWORKS[f]["module"]) is None]
-        if missing:
-            parser.error(f"{', '.join(missing)} not importable here: install it, or give --python an interpreter that has it")
+    pythons = dict(item.split("=", 1) for item in args.python if "=" in item)
+    unknown = sorted(set(pythons) - set(FRAMEWORKS)) + [item for item in args.python if "=" not in item]
+    if unknown:
+        parser.error(f"--python {', '.join(unknown)}: expected FRAMEWORK=PATH with FRAMEWORK one of {', '.join(FRAMEWORKS)}")
+    missing = [f for f in frameworks if f not in pythons and importlib.util.find_spec(FRAMEWORKS[f]["module"]) is None]
+    if missing:
+        parser.error(f"{', '.join(missing)} not importable here: install it, or give --python {missing[0]}=PATH, "
+                     "an interpreter that has it")
     start, wrong, total = time.time(), 0, 0
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
         runs = [(f, "", n, None, args.seeds) for f in frameworks for n in networks]
         runs += [(f, slip, n, cause, args.slip_seeds) for f, slip, n, cause in SLIPS if f in frameworks and n in networks]
         for framework, slip, network, cause, seeds in runs:
-            path = candidate_yaml(directory, framework, network, args.python, slip)
+            path = candidate_yaml(directory, framework, network, pythons.get(framework, sys.executable), slip)
             for seed in range(seeds):
                 verdict = diagnose(path, network, seed)
                 named = verdict.get("cause") or verdict.get("layout_fix") or verdict.get("format") or ""
