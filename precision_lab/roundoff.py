@@ -276,7 +276,8 @@ def column_drift(columns, grid: tuple | None = None, precision: str = "float32")
 
 def with_drift(own: torch.Tensor, drift) -> tuple[torch.Tensor, torch.Tensor]:
     """(max(own, DRIFT_MARGIN × drift), where the drift won): a sum's own part with its simulated drift."""
-    scaled = DRIFT_MARGIN * torch.as_tensor(drift).to(own.device, own.dtype)
+    # made on own's device outright (a constructor without a device would follow a default device set elsewhere)
+    scaled = DRIFT_MARGIN * torch.as_tensor(np.asarray(drift, np.float64), dtype=own.dtype, device=own.device)
     return torch.maximum(own, scaled), scaled > own
 
 

@@ -7,7 +7,7 @@ error model: the loss's own bound and the error of ∂loss/∂output from the ou
   the partial-sum bound, at most γ̃ₙ(λ)·S, plus the terms a running sum as large as the loss absorbs:
   a loop over 2·128² squared residuals of a normal size loses those below an ulp of the sum, 0.82 of
   γ̃ₙ(λ)·S on the deep denoiser, all one way), divided by the count (one more rounding), or more where
-  the terms repeat (a constant residual, uniform logits: `roundoff.sequential_drift`).
+  the terms repeat (a constant residual, uniform logits: `roundoff.column_drift`).
 * mse: loss = Σr²/N with r = y − t: N positive terms (S = loss); the output error enters to first
   order through 2|r|/N and to second through E_y²/N. ∂loss/∂y = 2r/N, computed with two roundings
   (the subtraction and the scaling: γ₂, Higham 2002 Lemma 3.1) on top of 2E_y/N.
@@ -90,7 +90,8 @@ def _own_part(accumulation: torch.Tensor, terms: torch.Tensor, count: int, ctx):
     enough to simulate (LOSS_DRIFT_LIMIT)."""
     if count > LOSS_DRIFT_LIMIT and not roundoff.repeats(terms, count, ctx.precision):
         return accumulation, None
-    return roundoff.with_drift(accumulation, roundoff.sequential_drift(terms.reshape(1, -1), ctx.precision) / count)
+    drift = roundoff.column_drift(roundoff.as_terms(terms.reshape(-1, 1), ctx.precision), None, ctx.precision)
+    return roundoff.with_drift(accumulation, drift / count)
 
 
 def _pixels(y: torch.Tensor) -> int:
