@@ -74,12 +74,13 @@ def _mean_own(terms: torch.Tensor, live: int, count: int, mean: torch.Tensor, ct
     return summed / count + ctx.u * mean.abs()
 
 
-#: a loss of at most this many terms (a batch of 2 at 128², 4 at 64²) always takes the larger of its order-free own
-#: part and DRIFT_MARGIN × its simulated sums' error (30 ms at 65,536 terms; 1.4 s at 2·1024²). Squared residuals
-#: and per-position losses crowd toward zero: most sit a few ulps of a running sum whose size the largest set, and a
-#: density falling toward zero rounds them down more often than up. A loop over the deep denoiser's 8,192 squares
-#: (64², seed 65) erred 1.4× the order-free bound, 50 shuffled orders −0.26 ± 0.02 of the sum: a bias, not the
-#: mean-zero walk the bound's Azuma–Hoeffding step assumes. Above it the absorbed terms carry it: 2·1024²
+#: a loss of at most this many terms (a batch of 4 at 128²) always takes the larger of its order-free own part and
+#: DRIFT_MARGIN × its simulated sums' error (30 ms at 65,536 terms; 1.4 s at 2·1024²). A near-constant residual
+#: (an output flat over the background) beside a few large ones: the large squares set the running sum, and the
+#: bulk's near-equal squares, a few ulps of it with bunched fractional parts, round the same way again and again,
+#: too spread (0.44% repeat) for `roundoff.repeats` to see. A loop over the deep denoiser's 8,192 squares (64²,
+#: seed 65) erred 1.4× the order-free bound, 50 shuffled orders −0.26 ± 0.02 of the sum: a bias, not the
+#: mean-zero walk the bound's Azuma–Hoeffding step assumes. Above it the absorbed terms carry such a bias: 2·1024²
 #: chi-square squares absorb 3% of their sum, the simulated loops err 0.13%
 LOSS_DRIFT_LIMIT = 4 * 128 * 128
 
