@@ -64,8 +64,13 @@ class QuantityVerdict:
     bound_max: float = 0.0
     relu_flips: int = 0
     cause: str | None = None  # the named defect hypothesis, when one fits
+    cause_slip: str | None = None  # the cause without its layers ('windows shifted by (0, 1) pixels (a padding offset)')
+    cause_layers: tuple[str, ...] = ()  # the layers a layer-local cause slips in ('conv1',)
     evidence: str = ""
+    format_bound_ratio: float | None = None  # max error ÷ the bound of the format that names it (reduced-precision)
     settled_by: str | None = None  # an inconclusive quantity made roundoff elsewhere: "the float64 build" or the problems
+    settled_ratios: dict | None = None  # what settled it: err64 ÷ err32, or error ÷ bound on each other problem
+    problem: str | None = None  # the probe it was judged on, where a decision took it from one (None: requested)
 
 
 def quantity_arrays(result: Result, reference: Trace) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -14,7 +14,6 @@ defect level relative to |g| (experiments.size_sweep).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 from .tables import (HtmlBlock, escape, format_factor, format_number, format_percent, format_range, format_reported,
@@ -224,7 +223,7 @@ def judgement_phrase(judgement) -> str:
     claimed = judgement.claimed_precision
     worst = _worst(judgement)
     if judgement.verdict == "roundoff":
-        return (f"within the {claimed} rounding bound everywhere (worst: {worst.quantity}, error ÷ bound "
+        return (f"within the {claimed} rounding bound everywhere (worst: {worst.quantity}{_on(worst)}, error ÷ bound "
                 f"{format_number(worst.bound_ratio)})")
     off = [q for q in judgement.quantities.values() if q.verdict == judgement.verdict]
     names = ", ".join(q.quantity for q in off)
@@ -236,13 +235,19 @@ def judgement_phrase(judgement) -> str:
                 f"but within the {judgement.format} bound, with {judgement.format}'s error level")
     bad = _worst(judgement, "defect")
     return (f"beyond the {claimed} bound in {names} (error ÷ bound up to {format_number(bad.bound_ratio)}, "
-            f"{bad.exceeding} of {bad.size} elements of {bad.quantity}), and no transform or coarser format explains it")
+            f"{bad.exceeding} of {bad.size} elements of {bad.quantity}{_on(bad)}), and no transform or coarser format "
+            "explains it" + (f" ({judgement.cause})" if judgement.cause else ""))
+
+
+def _on(q) -> str:
+    """' on probe 61x67-batch2-seed0' for a quantity a decision took from a probe (precision_lab.decision)."""
+    return f" on probe {q.problem}" if getattr(q, "problem", None) else ""
 
 
 def judgement_measurements(judgement) -> list[Measurement]:
     """The two or three numbers that decide a judgement, each against its bound."""
     worst = _worst(judgement)
-    found = [Measurement(f"max error ÷ bound, {worst.quantity}", format_number(worst.bound_ratio),
+    found = [Measurement(f"max error ÷ bound, {worst.quantity}{_on(worst)}", format_number(worst.bound_ratio),
                          f"rounding at {judgement.claimed_precision}: ≤ 1")]
     if judgement.verdict == "roundoff":
         found.append(Measurement(f"max |error|, {worst.quantity}", format_number(worst.max_abs_err),
@@ -253,28 +258,22 @@ def judgement_measurements(judgement) -> list[Measurement]:
         found.append(Measurement(f"after {judgement.layout_fix}", "every element within the bound",
                                  "the layout doctor's test"))
     elif judgement.verdict == "reduced-precision":
-        found += [Measurement("error level ÷ each format's emulated level", line.split(": ", 1)[-1],
-                              "a format names it within a factor √32")
-                  for line in judgement.evidence if line.startswith("error level")][:1]
+        if judgement.format_levels:
+            found.append(Measurement("error level ÷ each format's emulated level", ", ".join(
+                f"{row['format']} {format_number(row['level'])}× (pattern r = {row['correlation']:.2f})"
+                for row in judgement.format_levels), "a format names it within a factor √32, with its pattern"))
         for q in judgement.quantities.values():
-            ratio = _evidence_ratio(q.evidence) if q.verdict == "reduced-precision" else None
-            if ratio is not None:
-                found.append(Measurement(f"max error ÷ {q.format} bound, {q.quantity}", format_number(ratio),
-                                         f"{q.format} rounding: ≤ 1"))
+            if q.verdict == "reduced-precision" and q.format_bound_ratio is not None:
+                found.append(Measurement(f"max error ÷ {q.format} bound, {q.quantity}{_on(q)}",
+                                         format_number(q.format_bound_ratio), f"{q.format} rounding: ≤ 1"))
                 break
     else:
         bad = _worst(judgement, "defect")
-        found.append(Measurement(f"elements of {bad.quantity} beyond the bound", f"{bad.exceeding} of {bad.size}",
-                                 "rounding: 0"))
-        found.append(Measurement(f"cosine similarity, {bad.quantity}", f"{bad.cosine:.6f}", "a layout slip or "
+        found.append(Measurement(f"elements of {bad.quantity} beyond the bound{_on(bad)}",
+                                 f"{bad.exceeding} of {bad.size}", "rounding: 0"))
+        found.append(Measurement(f"cosine similarity, {bad.quantity}{_on(bad)}", f"{bad.cosine:.6f}", "a layout slip or "
                                  "a bug lowers it; rounding leaves it at 1 to ~7 digits"))
     return found
-
-
-def _evidence_ratio(evidence: str) -> float | None:
-    """The 'error ÷ bound X' number of a quantity's evidence line (precision_lab.verdict), if any."""
-    match = re.search(r"error ÷ bound ([-+0-9.eE]+|inf)", evidence or "")
-    return float(match.group(1)) if match else None
 
 
 def from_judgement(judgement, experiment: str = "diagnose", lead: str | None = None) -> Conclusion:
@@ -407,8 +406,9 @@ def float64_recompilation(summary, table, judgements: dict, skipped=()) -> Concl
 # 03 size sweep
 
 
-def size_sweep(summary, table, fits, skipped=()) -> Conclusion:
-    """03: how each candidate's error scales with the number of terms, and its verdict at the largest size."""
+def size_sweep(summary, table, fits, skipped=(), decisions: dict | None = None) -> Conclusion:
+    """03: how each candidate's error scales with the number of terms, and its decided verdict (`decisions`:
+    precision_lab.decision.Diagnosis by candidate, which names what the tables cannot: a probe's finding)."""
     from .experiments.size_sweep import DEFECT_REL_TO_GRAD, EXPERIMENT
 
     largest = int(table["size"].max())
@@ -423,7 +423,8 @@ def size_sweep(summary, table, fits, skipped=()) -> Conclusion:
         weights = cand_fits[cand_fits.parameter.str.endswith("weight")]
         alpha = float(weights.alpha_vs_S.median())
         defect_like = cand_fits[cand_fits.min_err_over_grad >= DEFECT_REL_TO_GRAD]
-        detail = _sweep_detail(row.verdict, at_largest)
+        decided = decisions[row.candidate].judgement() if decisions else None
+        detail = judgement_detail(decided) if decided is not None else ""
         if len(defect_like):
             level = format_range(defect_like.min_err_over_grad.min(), defect_like.min_err_over_grad.max())
             text = (f"{', '.join(defect_like.parameter)} stay at {level} of max |g| or more at every size from "
@@ -441,8 +442,11 @@ def size_sweep(summary, table, fits, skipped=()) -> Conclusion:
                     f"pixels, error ÷ bound {format_number(worst_any.bound_ratio)}; at {largest} pixels "
                     f"{format_number(worst_largest.bound_ratio)}), and the error {trend} (n^{alpha:.2f}).")
         if row.verdict != "roundoff" and worst_largest.bound_ratio <= 1.0 and not len(defect_like):
-            text += (f" At {largest} pixels its gradients are within the bound, but the diagnosis, which also judges "
-                     f"the loss and the forward output, says {row.verdict}{f' ({detail})' if detail else ''}.")
+            where = (f" on {decisions[row.candidate].summary().decided_by}" if decisions else "")
+            text += (f" At {largest} pixels its gradients are within the bound, but the decision, which also judges "
+                     f"the loss, the forward output, the other sizes and the probes, finds it {row.verdict}{where}"
+                     + (f": {decided.cause or detail}" if decided is not None and (decided.cause or detail) else "")
+                     + ".")
         measurements = [
             Measurement(f"max error ÷ bound at {largest} × {largest}, {worst_largest.parameter}",
                         format_number(worst_largest.bound_ratio), "rounding: ≤ 1")]
@@ -456,20 +460,14 @@ def size_sweep(summary, table, fits, skipped=()) -> Conclusion:
             Measurement("smallest max |error| ÷ max |g| over sizes (worst gradient)",
                         format_number(cand_fits.min_err_over_grad.max()),
                         f"a defect stays ≥ {format_number(DEFECT_REL_TO_GRAD)} at every size")]
-        findings.append(Finding(row.candidate, row.verdict, text, measurements,
-                                _action_from_verdict(row.verdict, detail, defect_like, at_largest), detail))
+        if decided is not None and worst_largest.bound_ratio <= 1.0 and row.verdict != "roundoff":
+            measurements += judgement_measurements(decided)[:2]
+        action = (action_for(decided) if decided is not None and not len(defect_like)
+                  else _action_from_verdict(row.verdict, detail, defect_like, at_largest))
+        findings.append(Finding(row.candidate, row.verdict, text, measurements, action, detail))
     lead = (f"Across sizes {', '.join(map(str, sizes))} (n = batch·H·W up to {format_number(int(table.n.max()))} terms "
             f"per weight-gradient sum): {_verdict_groups(findings)}.")
     return Conclusion(EXPERIMENT, lead, findings, _skipped_notes(skipped))
-
-
-def _sweep_detail(verdict: str, at_largest) -> str:
-    """The transform or format that names the verdict at the largest size ('' when the table has none)."""
-    column = {"layout": "overall_layout_fix", "reduced-precision": "overall_format"}.get(verdict)
-    if column is None or column not in at_largest:
-        return ""
-    named = [v for v in at_largest[column] if isinstance(v, str) and v]
-    return named[0] if named else ""
 
 
 def _action_from_verdict(verdict: str, detail: str, defect_like, at_largest) -> str:
@@ -549,8 +547,10 @@ def motivating_case(summary, table, judgements: dict) -> Conclusion:
 # 05 convolution algorithms
 
 
-def conv_algorithms(summary, table) -> Conclusion:
-    """05: is each convolution algorithm a legitimate float32 implementation, and how much budget does it use?"""
+def conv_algorithms(summary, table, decisions: dict | None = None) -> Conclusion:
+    """05: is each convolution algorithm a legitimate float32 implementation, and how much budget does it use?
+    (`decisions`: precision_lab.decision.Diagnosis by algorithm, which says where a verdict the tables cannot
+    show was found.)"""
     from .experiments.algorithms import EXPERIMENT
 
     sizes = sorted(int(s) for s in table["size"].unique())
@@ -572,11 +572,13 @@ def conv_algorithms(summary, table) -> Conclusion:
                       f"error in its {worst.quantity} computation.")
         else:
             flagged = sorted({int(s) for s in rows[rows.overall != "roundoff"]["size"]})
+            where = (decisions[row.candidate].summary().decided_by if decisions else
+                     f"{', '.join(map(str, flagged))} pixels")
             text = (f"Its gradients are within the float32 bound at every size (worst {worst.quantity} at "
-                    f"{int(worst['size'])} pixels, error ÷ bound {format_number(worst.bound_ratio)}), but the diagnosis, "
-                    f"which also judges the loss and the forward output, says {row.verdict} at "
-                    f"{', '.join(map(str, flagged))} pixels.")
-            action = ("Not float32-accurate in its loss or forward output: precision-lab diagnose names the quantities "
+                    f"{int(worst['size'])} pixels, error ÷ bound {format_number(worst.bound_ratio)}), but the decision, "
+                    f"which also judges the loss, the forward output and the probes, finds it {row.verdict} on {where}.")
+            action = (action_for(decisions[row.candidate].judgement()) if decisions else
+                      "Not float32-accurate in its loss or forward output: precision-lab diagnose names the quantities "
                       "and elements beyond the bound.")
         measurements = [Measurement(f"worst error ÷ bound over sizes ({worst.quantity}, {int(worst['size'])} pixels)",
                                     format_number(worst.bound_ratio), "rounding: ≤ 1"),

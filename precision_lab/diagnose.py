@@ -14,7 +14,6 @@ import argparse
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +23,7 @@ from .errors import LabInputError
 
 if TYPE_CHECKING:
     from .candidates import Candidate
+    from .decision import Diagnosis, Float64Build, Spread
     from .candidates.command import CommandProgram
     from .compute import Result, Trace
     from .problem import Problem
@@ -56,223 +56,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--html", metavar="OUT", help="write the verdict as a self-contained HTML page to this file")
     parser.add_argument("--verbose", action="store_true",
                         help="print every quantity's evidence on every problem (default: the summary and what fails)")
-
-
-@dataclass
-class Diagnosis:
-    """A candidate's verdict on the requested problem and on each probe; overall, the worst."""
-
-    main: Judgement
-    probes: list[tuple[probe_set.Probe, Judgement]] = field(default_factory=list)
-    repeats: dict = field(default_factory=dict)
-    probe_note: str | None = None  # how the probes were chosen when the network fixes the size
-    float64_build: dict | None = None  # the candidate's command_float64 against the float64 reference
-
-    @property
-    def verdict(self) -> str:
-        from .verdict import worst
-
-        return worst([self.main.verdict] + [j.verdict for _, j in self.probes])
-
-    @property
-    def candidate(self) -> str:
-        return self.main.candidate
-
-    @property
-    def claimed_precision(self) -> str:
-        return self.main.claimed_precision
-
-    @property
-    def quantities(self):
-        return self.main.quantities
-
-    def deciding(self) -> Judgement:
-        """The judgement whose verdict is the overall one: the first (requested problem, then the probes) that
-        names a cause, else the first with that verdict. A cause needs a recomputation that the requested
-        problem may be too large for (doctors.RECOMPUTE_LIMIT on a CPU); a probe is small enough to name it."""
-        chosen = self._chosen()
-        same = [j for j in [self.main] + [j for _, j in self.probes] if j.verdict == self.verdict]
-        # a cause must explain every problem where the doctor tested it, not the first that names one
-        causes = {j.cause for j in same if getattr(j, "hypotheses", None)}
-        if chosen.cause and len(causes) > 1:
-            unknown = "cause unknown: the problems name different causes (" + "; ".join(
-                sorted(str(c) for c in causes)) + ")"
-            return replace(chosen, cause=None, evidence=list(chosen.evidence) + [unknown])
-        return chosen
-
-    def _chosen(self) -> Judgement:
-        """The problem's own judgement that `deciding` is drawn from (its identity labels the problem)."""
-        same = [j for j in [self.main] + [j for _, j in self.probes] if j.verdict == self.verdict]
-        named = [j for j in same if j.layout_fix or j.format or j.cause]
-        return (named or same)[0]
-
-    def to_json(self) -> dict:
-        from .verdict import json_safe, worst
-
-        deciding = self.deciding()
-        main = self.main.to_json()
-        probes = []
-        for probe, judgement in self.probes:
-            entry = judgement.to_json()
-            entry.update(name=probe.name, why=probe.why)
-            probes.append(entry)
-        parameters = {}
-        for name, entry in main["parameters"].items():
-            chosen, where = entry, "requested"
-            for probe, judgement in self.probes:
-                other = judgement.to_json()["parameters"].get(name)
-                if other and worst([chosen["verdict"], other["verdict"]]) != chosen["verdict"]:
-                    chosen, where = other, probe.name
-            parameters[name] = dict(chosen, problem=where)
-            if self.float64_build:
-                parameters[name]["float64_build"] = self.float64_build["quantities"].get(name)
-        return {"candidate": self.candidate, "verdict": self.verdict, "claimed_precision": self.claimed_precision,
-                "layout_fix": deciding.layout_fix, "layout_advice": deciding.layout_advice, "format": deciding.format,
-                "cause": deciding.cause, "localisation": deciding.localisation,
-                "decided_by": "requested" if self._chosen() is self.main else next(
-                    p.name for p, j in self.probes if j is self._chosen()),
-                "problem": main["problem"], "parameters": parameters, "forward": main["forward"],
-                "evidence": main["evidence"], "main": main, "probes": probes, "probe_note": self.probe_note,
-                "float64_build": json_safe(self.float64_build),
-                "repeats": json_safe(self.repeats)}
-
-    def summary(self) -> "Summary":
-        """What this diagnosis says, once: the text verdict and the HTML page are both written from it."""
-        deciding = self.deciding()
-        named = deciding.layout_fix or deciding.format or deciding.cause or deciding.localisation
-        label = {id(self.main): "the requested problem"}
-        label.update({id(j): f"probe {p.name}" for p, j in self.probes})
-        failing = [(label[id(self.main)], q) for q in self.main.quantities.values() if q.verdict != "roundoff"]
-        if not failing and self.verdict != "roundoff":  # only a probe fails: show where
-            failing = [(label[id(self._chosen())], q) for q in deciding.quantities.values() if q.verdict != "roundoff"]
-        probes = [(p.name, _problem_text(j.problem), j.verdict, j.layout_fix or j.format or j.cause or j.localisation)
-                  for p, j in self.probes]
-        repeats = None
-        if self.repeats:
-            repeats = (f"{self.repeats['runs']} runs, largest run-to-run spread ÷ bound "
-                       f"{self.repeats['worst_spread_ratio']:.3g} ({self.repeats['worst_quantity']}), "
-                       + ("bitwise reproducible" if self.repeats["bitwise_reproducible"] else "not bitwise reproducible"))
-        settled = [q.quantity for q in self.main.quantities.values() if q.settled_by]
-        float64_build = None
-        if self.float64_build:
-            ratios = [(row["ratio"], name) for name, row in self.float64_build["quantities"].items()
-                      if row.get("ratio") is not None and row["ratio"] == row["ratio"]]  # NaN: err32 = 0
-            largest = max(ratios, default=None)
-            persists = self.float64_build["persists"]
-            float64_build = (f"{self.float64_build['verdict']} against the float64 reference; largest err64 ÷ err32 "
-                             + (f"{largest[0]:.2g} ({largest[1]})" if largest else "n/a")
-                             + f" (rounding predicts {self.float64_build['expected_ratio_if_rounding']:.2g}, a defect ≈ 1): "
-                             + (f"the error persists in {', '.join(persists)}" if persists else "the error vanishes"))
-        return Summary(candidate=self.candidate, claimed_precision=self.claimed_precision, verdict=self.verdict,
-                       named=named if self.verdict != "roundoff" else None, decided_by=label[id(self._chosen())],
-                       cause=deciding.cause if self.verdict != "roundoff" else None,
-                       first_failing=deciding.localisation if self.verdict != "roundoff" else None,
-                       fix=deciding.layout_advice if self.verdict != "roundoff" else None,
-                       failing=failing, within=[q.quantity for q in self.main.quantities.values()
-                                                if q.verdict == "roundoff" and q.quantity not in settled],
-                       settled=settled,
-                       probes=probes, repeats=repeats, worst_within=_worst_within(self.main, settled),
-                       probe_note=self.probe_note, float64_build=float64_build)
-
-    def to_text(self, verbose: bool = False) -> str:
-        """The verdict, what names it, the fix, and only what fails; `verbose`: every quantity of every problem."""
-        if not verbose:
-            return self.summary().to_text()
-        lines = [self.main.to_text()]
-        if self.probe_note:
-            lines.append(f"probes: {self.probe_note}")
-        if self.repeats:
-            lines.append(f"  repeats: {self.repeats['runs']} runs, largest run-to-run spread ÷ bound "
-                         f"{self.repeats['worst_spread_ratio']:.3g} ({self.repeats['worst_quantity']})")
-        for probe, judgement in self.probes:
-            lines.append(f"probe {probe.name} ({_problem_text(judgement.problem)}): {judgement.headline()}")
-            if judgement.verdict != "roundoff":
-                lines += [f"  - {line}" for line in judgement.evidence[:6]]
-        lines.append(f"overall verdict: {self.summary().headline}")
-        return "\n".join(lines)
-
-
-def _named(q) -> str | None:
-    return q.layout_fix or q.format or q.cause
-
-
-def _worst_within(judgement, settled=()) -> str | None:
-    within = [q for q in judgement.quantities.values() if q.verdict == "roundoff" and q.quantity not in settled]
-    if not within:
-        return None
-    worst = max(within, key=lambda q: q.bound_ratio)
-    return f"{worst.bound_ratio:.3g}, {worst.quantity}"
-
-
-def _problem_text(problem: dict) -> str:
-    return (f"{problem.get('size')}, batch {problem.get('batch')}, seed {problem.get('seed')}, "
-            f"{problem.get('targets')} targets")
-
-
-@dataclass
-class Summary:
-    """A diagnosis in the words both the text verdict and the HTML page use (one source for both)."""
-
-    candidate: str
-    claimed_precision: str
-    verdict: str
-    named: str | None  # the transform, format, cause or first failing op that names the verdict
-    decided_by: str  # "the requested problem" or "probe NAME": the judgement that names it
-    cause: str | None  # a defect's named cause
-    first_failing: str | None  # the first failing op, or the earliest failing quantity in backprop order
-    fix: str | None  # the layout fix in words
-    failing: list = field(default_factory=list)  # (problem label, QuantityVerdict) beyond the bound
-    within: list[str] = field(default_factory=list)  # quantities of the requested problem within the bound
-    probes: list = field(default_factory=list)  # (name, problem in words, verdict, what names it)
-    repeats: str | None = None
-    worst_within: str | None = None  # "0.0123, conv2.weight": how much of the bound the closest quantity uses
-    probe_note: str | None = None  # how the probes were chosen when the network fixes the size
-    float64_build: str | None = None  # the command_float64 build in words: err64 ÷ err32, vanishes or persists
-    settled: list[str] = field(default_factory=list)  # requested-problem quantities its bound cannot certify, settled
-    # by the float64 build or the probes (verdict.settle_diagnosis)
-
-    @property
-    def headline(self) -> str:
-        """'layout (flip HW)', 'defect (act2 backward: mask missing)', 'roundoff'."""
-        return self.verdict + (f" ({self.named})" if self.named else "")
-
-    def to_text(self) -> str:
-        lines = [f"candidate {self.candidate}  (claimed {self.claimed_precision})",
-                 f"verdict: {self.headline}" + (f", named on {self.decided_by}"
-                                                if self.named and self.decided_by != "the requested problem" else "")]
-        if self.cause and self.cause != self.named:
-            lines.append(f"  cause: {self.cause}")
-        if self.fix:
-            lines.append(f"  fix: {self.fix}")
-        if self.first_failing:
-            lines.append(f"  where: {self.first_failing}")
-        if self.repeats:
-            lines.append(f"  repeats: {self.repeats}")
-        if self.float64_build:
-            lines.append(f"  float64 build: {self.float64_build}")
-        if self.failing:
-            lines.append(f"  beyond the bound on {self.failing[0][0]}:")
-            lines += [f"    {q.quantity:<13} {q.verdict:<17} max|err| {q.max_abs_err:9.3g}  err/bound {q.bound_ratio:9.3g}"
-                      + (f"  ({_named(q)})" if _named(q) and _named(q) != self.named else "")
-                      for _, q in self.failing]
-        if self.within:
-            lines.append(f"  within the bound: {', '.join(self.within)}"
-                         + (f" (worst error ÷ bound {self.worst_within})" if self.worst_within else ""))
-        if self.settled:
-            lines.append(f"  settled elsewhere (too large a bound here to certify rounding): {', '.join(self.settled)} "
-                         "— certified on every probe or by the float64 build (--verbose says which)")
-        said = {verdict + (f" ({named})" if named else "") for _, _, verdict, named in self.probes}
-        if len(said) == 1 and len(self.probes) > 1:  # the usual case: every probe agrees
-            lines.append(f"  probes: all {len(self.probes)} {said.pop()} "
-                         f"({', '.join(name for name, _, _, _ in self.probes)})")
-        elif self.probes:
-            lines.append("  probes: " + "; ".join(f"{name} {verdict}" + (f" ({named})" if named else "")
-                                                 for name, _, verdict, named in self.probes))
-        if self.probe_note:
-            lines.append(f"  probes: {self.probe_note}")
-        if self.verdict != "roundoff" or self.probes:
-            lines.append("  (every quantity's evidence, and each probe's: --verbose)")
-        return "\n".join(lines)
 
 
 def candidate_and_problem(candidate_spec: str | None, bundle: str | None, size=None, batch=None, seed=None,
@@ -322,13 +105,15 @@ def candidate_and_problem(candidate_spec: str | None, bundle: str | None, size=N
 
 def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probes=None, repeats: int = 1,
              fingerprint: bool | None = None, progress: bool = False) -> Diagnosis:
-    """Run `candidate` on `problem` as claimed (and on each probe), build the float64 references, and judge.
+    """Run `candidate` on `problem` as claimed (and on each probe), build the float64 references, and judge;
+    the verdict is precision_lab.decision.decide's, from all of that evidence.
 
     `probes`: a list of precision_lab.probes.Probe (None: the defaults; [] for none).
     """
     from . import resources
+    from .decision import decide
     from .device import resolve_device
-    from .verdict import judge, settle_diagnosis
+    from .verdict import judge
 
     where = resolve_device(device)
     if not candidate.supports(where):
@@ -337,26 +122,37 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
     chosen = probe_set.select("default") if probes is None else probes
     if getattr(candidate, "problem", None) is not None:
         chosen = []  # a static bundle holds the answer to its own problem only: nothing to probe
-    steps = [("requested", problem)] + [(probe.name, probe_set.probe_problem(probe, problem)) for probe in chosen]
-    bar = _bar(len(steps) + max(0, repeats - 1), progress)
+    bar = _bar(1 + len(chosen) + max(0, repeats - 1), progress)
     result, trace = _run(candidate, problem, where)
     bar.update()
-    spread = _repeats(candidate, problem, where, trace, result, repeats, bar) if repeats > 1 else {}
+    spread = _repeats(candidate, problem, where, trace, result, repeats, bar) if repeats > 1 else None
     main = judge(result, trace, candidate.claimed_precision, candidate.name, fingerprint=fingerprint)
-    if spread:
-        _apply_spread(main, spread)
-    recompiled = _float64_build(candidate, problem, where, result, trace, main) if _has_float64_build(candidate) \
-        else None
+    recompiled = _float64_build(candidate, problem, where, result, trace) if _has_float64_build(candidate) else None
     del trace
-    judged = []
-    for probe, (_, probe_problem) in zip(chosen, steps[1:]):
-        probe_result, probe_trace = _run(candidate, probe_problem, where)
-        judged.append((probe, judge(probe_result, probe_trace, candidate.claimed_precision, candidate.name)))
-        bar.update()
+    judged = judge_probes(candidate, problem, where, chosen, bar=bar)
     bar.close()
-    settle_diagnosis(main, [(probe.name, j) for probe, j in judged], recompiled["quantities"] if recompiled else None)
-    return Diagnosis(main, judged, spread, probe_set.fixed_size_note(problem.network, problem) if chosen else None,
-                     recompiled)
+    return decide(main, judged, float64_build=recompiled, spread=spread, probed=bool(chosen) or
+                  getattr(candidate, "problem", None) is not None,
+                  probe_note=probe_set.fixed_size_note(problem.network, problem) if chosen else None)
+
+
+def judge_probes(candidate: Candidate, problem: Problem, where, probes, bar=None, reference_of=None) -> list:
+    """(ProbeRun, Judgement) of `candidate` on each probe of `problem`; `reference_of(problem, where)` gives a
+    probe's float64 reference (a notebook shares them between candidates), else each is built here."""
+    from .verdict import judge
+
+    judged = []
+    for probe in probes:
+        probe_problem = probe_set.probe_problem(probe, problem)
+        if reference_of is None:
+            probe_result, probe_trace = _run(candidate, probe_problem, where)
+        else:
+            probe_result, probe_trace = candidate.compute(probe_problem, "float32", where), reference_of(probe_problem, where)
+        judged.append((probe_set.ProbeRun.of(probe, probe_problem),
+                       judge(probe_result, probe_trace, candidate.claimed_precision, candidate.name)))
+        if bar is not None:
+            bar.update()
+    return judged
 
 
 def _has_float64_build(candidate: Candidate) -> bool:
@@ -364,34 +160,14 @@ def _has_float64_build(candidate: Candidate) -> bool:
     return candidate.family == "command" and candidate.has_float64 and candidate.claimed_precision != "float64"
 
 
-def _float64_build(candidate: Candidate, problem: Problem, where, result32: Result, trace: Trace,
-                   main: Judgement) -> dict:
-    """The float64 recompilation (experiment 02) on the requested problem: the float64 build judged against the
-    float64 reference, and err64 ÷ err32 per quantity (rounding predicts u64/u32, a defect ≈ 1). An error that
-    persists in float64 is not rounding, whatever its size: a `roundoff` verdict becomes `defect`."""
-    from .experiments.float64_recompilation import EXPECTED_RATIO, VANISH_THRESHOLD, recompilation_rows
+def _float64_build(candidate: Candidate, problem: Problem, where, result32: Result, trace: Trace) -> Float64Build:
+    """The float64 recompilation (experiment 02) on the requested problem, as evidence for the decision."""
+    from .experiments.float64_recompilation import build_evidence
     from .verdict import judge
 
     result64 = candidate.compute(problem, "float64", where)
     judgement64 = judge(result64, trace, "float64", candidate.name, fingerprint=False, hypotheses=False)
-    rows = recompilation_rows(result32, result64, trace, problem.network.parameter_names)
-    persists = [row["quantity"] for row in rows if row["finding"] == "persists in float64"]
-    ratios = ", ".join(f"{row['quantity']} {row['ratio']:.2g}" for row in rows)
-    main.evidence.append(f"float64 build (command_float64): {judgement64.verdict} against the float64 reference; "
-                         f"err64 ÷ err32 {ratios} (rounding predicts {EXPECTED_RATIO:.2g}, a defect ≈ 1; "
-                         f"boundary {VANISH_THRESHOLD:.2g}): "
-                         + (f"persists in {', '.join(persists)}" if persists else "vanishes everywhere"))
-    if persists and main.verdict == "roundoff":
-        from .verdict import overall
-
-        for name in persists:
-            if name in main.quantities:
-                q = main.quantities[name]
-                q.verdict, q.cause = "defect", "the error persists in the float64 build (not rounding error)"
-        overall(main)
-    return {"verdict": judgement64.verdict, "expected_ratio_if_rounding": EXPECTED_RATIO,
-            "threshold": VANISH_THRESHOLD, "persists": persists,
-            "quantities": {row.pop("quantity"): row for row in rows}}
+    return build_evidence(result32, result64, trace, problem.network.parameter_names, judgement64.verdict)
 
 
 def _bar(total: int, enabled: bool):
@@ -432,13 +208,14 @@ def _overlapped(candidate: Candidate, program: CommandProgram, problem: Problem,
             raise
 
 
-def _repeats(candidate, problem, where, trace, first: Result, repeats: int, bar) -> dict:
+def _repeats(candidate, problem, where, trace, first: Result, repeats: int, bar) -> Spread:
     """Run the candidate again and again on the same problem: the run-to-run spread of every quantity
     (atomics, split-K in a racing order) against its bound; beyond the bound is a race that loses updates."""
     import numpy as np
 
     from . import errmodel
     from .compare import quantity_arrays
+    from .decision import Spread
 
     runs = [quantity_arrays(first, trace)]
     for _ in range(repeats - 1):
@@ -451,25 +228,7 @@ def _repeats(candidate, problem, where, trace, first: Result, repeats: int, bar)
         width = np.ptp(stack, axis=0)
         spread[name] = {"max_spread": float(width.max()), "spread_ratio": float(np.max(width / bounds[name].bound)),
                         "identical": bool(width.max() == 0)}
-    worst_name = max(spread, key=lambda n: spread[n]["spread_ratio"])
-    return {"runs": repeats, "quantities": spread, "worst_quantity": worst_name,
-            "worst_spread_ratio": spread[worst_name]["spread_ratio"],
-            "bitwise_reproducible": all(s["identical"] for s in spread.values())}
-
-
-def _apply_spread(judgement: Judgement, spread: dict) -> None:
-    for name, entry in spread["quantities"].items():
-        if entry["spread_ratio"] > 1.0 and name in judgement.quantities:
-            q = judgement.quantities[name]
-            q.verdict, q.cause = "defect", "run-to-run spread beyond the bound (a race that loses updates)"
-            q.evidence = f"runs differ by {entry['max_spread']:.3g}, {entry['spread_ratio']:.3g}× the bound"
-    judgement.evidence.append(f"{spread['runs']} runs: largest spread ÷ bound {spread['worst_spread_ratio']:.3g} "
-                              f"({spread['worst_quantity']}); "
-                              + ("bitwise reproducible" if spread["bitwise_reproducible"] else "not bitwise reproducible"))
-    from .verdict import overall
-
-    judgement.evidence = [e for e in judgement.evidence if not e.startswith(tuple(judgement.quantities))]
-    overall(judgement)
+    return Spread(repeats, spread)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -214,7 +214,7 @@ def fallbacks(claimed: str) -> list[str]:
     return [f for f in FALLBACK_FORMATS if formats.unit_roundoff(f) > u]
 
 
-def name_format(pairs, reference: Trace, claimed: str, witnesses: list[str]) -> tuple[str | None, str]:
+def name_format(pairs, reference: Trace, claimed: str, witnesses: list[str]) -> tuple[str | None, str, list[dict]]:
     """The coarser format whose emulated error level matches the result's, with the evidence line.
 
     The witness is the forward output when the result has one (a format acts there too),
@@ -224,7 +224,7 @@ def name_format(pairs, reference: Trace, claimed: str, witnesses: list[str]) -> 
     """
     witness = ["output"] if "output" in pairs else witnesses
     plain = quantity_arrays(emulate(reference, "float32"), reference)
-    matching, levels, unlike = [], [], []
+    matching, levels, unlike, rows = [], [], [], []
     for fmt in fallbacks(claimed):
         emulated = quantity_arrays(emulate(reference, fmt), reference)
         ratios = [_rms_error(*pairs[w]) / max(_rms_error(*emulated[w]), np.finfo(float).tiny) for w in witness]
@@ -236,22 +236,25 @@ def name_format(pairs, reference: Trace, claimed: str, witnesses: list[str]) -> 
         r = _correlation(error, added)
         levels.append(f"{fmt} {level:.3g}× (pattern r = {r:.2f})")
         distance = abs(math.log(level)) if level > 0 else math.inf
-        if distance <= math.log(FORMAT_MATCH_FACTOR):
+        at_level, alike = distance <= math.log(FORMAT_MATCH_FACTOR), abs(r) >= FORMAT_PATTERN_MIN
+        rows.append({"format": fmt, "level": level, "correlation": r, "level_matches": at_level,
+                     "pattern_matches": alike})
+        if at_level:
             # a format rounds where its emulation does: its level without its pattern is a coincidence
-            (matching if abs(r) >= FORMAT_PATTERN_MIN else unlike).append((fmt, distance, r))
+            (matching if alike else unlike).append((fmt, distance, r))
     text = f"error level of {'/'.join(witness)} ÷ emulated format: " + ", ".join(levels)
     if not matching:
         if unlike:
             return None, text + (f" ({' and '.join(m[0] for m in unlike)} at the level, not the pattern: "
-                                 f"|r| < {FORMAT_PATTERN_MIN:g}; no format explains these errors)")
-        return None, text + " (no format within a factor √32)"
+                                 f"|r| < {FORMAT_PATTERN_MIN:g}; no format explains these errors)"), rows
+        return None, text + " (no format within a factor √32)", rows
     top = max(matching, key=lambda m: m[2])
     alike = sorted((m for m in matching if top[2] - m[2] < PATTERN_MARGIN), key=lambda m: FALLBACK_FORMATS.index(m[0]))
     if len(alike) > 1:
         # the same rounding of the same operands: the first in FALLBACK_FORMATS (tf32, the silent GPU default) names it
         return alike[0][0], text + (f" ({' and '.join(m[0] for m in alike)} round these operands alike: none of the "
-                                    f"values leaves their common range, so the pattern cannot tell them apart)")
-    return top[0], text
+                                    f"values leaves their common range, so the pattern cannot tell them apart)"), rows
+    return top[0], text, rows
 
 
 def _is_isolated(q) -> bool:
@@ -279,10 +282,10 @@ def precision(judgement, result: Result, reference: Trace, pairs, bounds, finger
     broad = [n for n in beyond if n not in isolated]
     if broad and fallbacks(judgement.claimed_precision):
         if "output" in quantities and quantities["output"].verdict == "roundoff":
-            judgement.evidence.append("the forward output is within the claimed bound: no coarser format acts here")
+            judgement.notes.append("the forward output is within the claimed bound: no coarser format acts here")
         else:
-            fmt, level_text = name_format(pairs, reference, judgement.claimed_precision, broad)
-            judgement.evidence.append(level_text)
+            fmt, level_text, judgement.format_levels = name_format(pairs, reference, judgement.claimed_precision, broad)
+            judgement.notes.append(level_text)
             if fmt is not None:
                 fmt_bounds = errmodel.error_bounds(reference, fmt)
                 output_shows = "output" in quantities and "output" in broad
@@ -291,14 +294,14 @@ def precision(judgement, result: Result, reference: Trace, pairs, bounds, finger
                     ratio = float(np.max(np.abs(got - ref) / fmt_bounds[name].bound))
                     q = quantities[name]
                     if ratio <= 1.0:
-                        q.verdict, q.format = "reduced-precision", fmt
+                        q.verdict, q.format, q.format_bound_ratio = "reduced-precision", fmt, ratio
                         q.evidence = f"within the {fmt} bound (error ÷ bound {ratio:.3g})"
                     else:
                         q.evidence = f"beyond even the {fmt} bound (error ÷ bound {ratio:.3g})"
     if fallbacks(judgement.claimed_precision) and _recompute_allowed(reference, fingerprint):
         _fingerprint(judgement, pairs, reference)
     elif fallbacks(judgement.claimed_precision):
-        judgement.evidence.append(f"precision fingerprint not computed at {reference.problem.size_text}, batch "
+        judgement.notes.append(f"precision fingerprint not computed at {reference.problem.size_text}, batch "
                                   f"{reference.problem.batch} on {reference.device.type} (the probes carry it)")
 
 
@@ -351,8 +354,11 @@ def _fingerprint(judgement, pairs, reference: Trace) -> None:
                 r = _correlation(got - ref, direction)
                 null = max(abs(_correlation(members[name][0] - ref, direction)) for members in nulls.values())
                 threshold = max(FINGERPRINT_MIN, null + FINGERPRINT_Z / math.sqrt(ref.size))
+                # a format reproduces its own error level as well as its pattern: a pattern at another level is not it
+                level = _rms_error(got, ref) / max(_rms_error(emulated[name][0], ref), np.finfo(float).tiny)
+                at_level = level > 0 and abs(math.log(level)) <= math.log(FORMAT_MATCH_FACTOR)
                 row = {"format": fmt, "pass": passes, "quantity": name, "correlation": r, "null": null,
-                       "threshold": threshold, "conclusive": r >= threshold}
+                       "threshold": threshold, "level": level, "conclusive": r >= threshold and at_level}
                 judgement.fingerprint.append(row)
                 if row["conclusive"] and (name not in named or r > named[name]["correlation"]):
                     named[name] = row
@@ -364,7 +370,8 @@ def _fingerprint(judgement, pairs, reference: Trace) -> None:
             where = f"inside the {judgement.claimed_precision} bound (error ÷ bound {q.bound_ratio:.3g})" if inside \
                 else f"error ÷ bound {q.bound_ratio:.3g}"
             q.evidence = (f"{where}, but the error correlates r = {row['correlation']:.3f} with emulated {row['format']} "
-                          f"({row['pass'].replace('_', '-')} pass); legitimate float32 orders reach {row['null']:.3f}")
+                          f"({row['pass'].replace('_', '-')} pass) at {row['level']:.3g}× its error level; legitimate "
+                          f"float32 orders reach {row['null']:.3f}")
     _excuse_by_named_format(judgement, pairs, reference, named)
 
 
@@ -388,7 +395,7 @@ def _excuse_by_named_format(judgement, pairs, reference: Trace, named: dict) -> 
         got, ref = pairs[name]
         ratio = float(np.max(np.abs(got - ref) / errmodel.error_bounds(reference, fmt)[name].bound))  # cached per trace
         if ratio <= 1.0:
-            q.verdict, q.format = "reduced-precision", fmt
+            q.verdict, q.format, q.format_bound_ratio = "reduced-precision", fmt, ratio
             q.evidence = (f"error ÷ bound {q.bound_ratio:.3g}, within the {fmt} bound (error ÷ bound {ratio:.3g}) of "
                           f"the format the fingerprint names on {witnesses}")
 
@@ -440,12 +447,14 @@ def defects(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
         if not fits:
             continue
         explained = sorted(n for n, r in fits.items() if r <= 1.0)
-        tested.append({"hypothesis": hypothesis, "explains": explained,
+        tested.append({"hypothesis": str(hypothesis), "explains": explained,
                        "best_ratio": min(fits.values()), "quantities": len(fits)})
         for name in explained:
             q = judgement.quantities[name]
             if q.cause is None:
-                q.cause = hypothesis
+                q.cause = str(hypothesis)
+                q.cause_slip = getattr(hypothesis, "slip", q.cause)
+                q.cause_layers = (hypothesis.layer,) if isinstance(hypothesis, Slip) else ()
                 q.evidence = (q.evidence + "; " if q.evidence else "") + (
                     f"fits '{hypothesis}' (error ÷ bound {fits[name]:.3g} against it)")
     judgement.hypotheses = tested
@@ -454,33 +463,30 @@ def defects(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
     if tested:
         best = max(tested, key=lambda t: (len(t["explains"]), -t["best_ratio"]))
         causes = {judgement.quantities[n].cause for n in defective}
-        shared = _one_slip_in_every_layer([judgement.quantities[n].cause for n in defective])
+        shared = _one_slip_in_every_layer([judgement.quantities[n] for n in defective])
         if len(causes) == 1 and None not in causes:
             judgement.cause = causes.pop()  # one cause (first fitted, or the zero-gradient doctor's) for every defect
         elif shared:
             judgement.cause = shared
         elif best["explains"] and set(defective) <= set(best["explains"]):
             judgement.cause = best["hypothesis"]
-            judgement.evidence.append(f"defect doctor: '{best['hypothesis']}' fits {', '.join(best['explains'])}")
+            judgement.notes.append(f"defect doctor: '{best['hypothesis']}' fits {', '.join(best['explains'])}")
         elif best["explains"]:
             # one tensor of several is no cause: name it as a partial fit only
-            judgement.evidence.append(f"defect doctor: cause unknown; '{best['hypothesis']}' fits only "
+            judgement.notes.append(f"defect doctor: cause unknown; '{best['hypothesis']}' fits only "
                                       f"{', '.join(best['explains'])} of {', '.join(defective)}")
     if unexplained:
-        judgement.evidence.append(f"defect doctor: no named hypothesis fits {', '.join(unexplained)} "
+        judgement.notes.append(f"defect doctor: no named hypothesis fits {', '.join(unexplained)} "
                                   f"({len(tested)} tested)")
 
 
-def _one_slip_in_every_layer(causes) -> str | None:
-    """'conv1, conv2: <slip>' when the failing quantities' causes (in network order) are the same layer-local slip
-    ('<layer>: <slip>') in several layers: one cause, the same mistake made wherever that code runs."""
-    causes = list(dict.fromkeys(causes))
-    if None in causes or len(causes) < 2:
+def _one_slip_in_every_layer(quantities) -> str | None:
+    """'conv1, conv2: <slip>' when the failing quantities (in network order) fit the same layer-local slip in several
+    layers: one cause, the same mistake made wherever that code runs."""
+    if any(q.cause is None or not q.cause_layers for q in quantities) or len({q.cause_slip for q in quantities}) != 1:
         return None
-    split = [cause.split(": ", 1) for cause in causes]
-    if any(len(parts) != 2 or " " in parts[0] for parts in split) or len({parts[1] for parts in split}) != 1:
-        return None
-    return f"{', '.join(parts[0] for parts in split)}: {split[0][1]}"
+    layers = list(dict.fromkeys(layer for q in quantities for layer in q.cause_layers))
+    return f"{', '.join(layers)}: {quantities[0].cause_slip}" if len(layers) > 1 else None
 
 
 def zero_gradients(judgement, pairs) -> None:
@@ -557,6 +563,16 @@ def _other_parameters(pairs, failing):
                        [name], False)
 
 
+class Slip(str):
+    """A layer-local hypothesis's name ('conv1: <slip>') that keeps its parts: the same slip in several layers is
+    one cause (`_one_slip_in_every_layer`) without reading the name back."""
+
+    def __new__(cls, layer: str, slip: str):
+        named = super().__new__(cls, f"{layer}: {slip}")
+        named.layer, named.slip = layer, slip
+        return named
+
+
 def _local_weight_hypotheses(reference: Trace, failing):
     """Per conv2d layer with a failing gradient: shifted windows, a missing edge row/column/tile of the upstream
     gradient, the pre-activation for the post-activation — recomputed in float64 from the stored operands."""
@@ -586,7 +602,7 @@ def _local_weight_hypotheses(reference: Trace, failing):
                 shifted[:, :, (0 if dy > 0 else -1), :] = 0
             if dx:
                 shifted[:, :, :, (0 if dx > 0 else -1)] = 0
-            yield f"{layer.name}: windows shifted by ({dy}, {dx}) pixels (a padding offset)", \
+            yield Slip(layer.name, f"windows shifted by ({dy}, {dx}) pixels (a padding offset)"), \
                 {names[0]: wgrad(shifted, g)}, [names[0]], True
         height, width = g.shape[2:]
         edges = {"first image row": (slice(None), slice(None), slice(0, 1), slice(None)),
@@ -608,12 +624,12 @@ def _local_weight_hypotheses(reference: Trace, failing):
         for text, region in edges.items():
             masked = g.clone()
             masked[region] = 0
-            yield f"{layer.name}: the {text} of its upstream gradient skipped", expected(masked), names, True
+            yield Slip(layer.name, f"the {text} of its upstream gradient skipped"), expected(masked), names, True
         source = network.layers[layer.inputs[0]] if layer.inputs[0] >= 0 else None
         if source is not None and OPS[source.op].elementwise:
             pre = reference.value(source.inputs[0]).double()
             if pre.shape == a.shape:
-                yield (f"{layer.name}: the pre-activation of {source.label} used for its output",
+                yield (Slip(layer.name, f"the pre-activation of {source.label} used for its output"),
                        {names[0]: wgrad(pre, g)}, [names[0]], True)
 
 

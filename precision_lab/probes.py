@@ -95,6 +95,38 @@ def probe_size(probe: Probe, network, main_size: tuple[int, int] | None = None) 
     return (preferred or non_square or near)[0]
 
 
+@dataclass(frozen=True)
+class ProbeRun:
+    """A probe as it ran: its name says what ran (size, batch, seed, targets), `kind` which default probe it is."""
+
+    kind: str
+    why: str
+    height: int
+    width: int
+    batch: int
+    seed: int
+    targets: str
+
+    @property
+    def name(self) -> str:
+        """'61x67-batch2-seed0', '45x39-batch2-seed1-random-targets': the label is what ran, not what was planned."""
+        return (f"{self.height}x{self.width}-batch{self.batch}-seed{self.seed}"
+                + ("-random-targets" if self.targets == "random" else ""))
+
+    def text(self) -> str:
+        return f"{self.height}×{self.width}, batch {self.batch}, seed {self.seed}, {self.targets} targets"
+
+    @classmethod
+    def of(cls, probe: Probe, problem: Problem) -> "ProbeRun":
+        return cls(probe.name, probe.why, problem.height, problem.width, problem.batch, problem.seed, problem.targets)
+
+    @classmethod
+    def of_size(cls, problem: Problem) -> "ProbeRun":
+        """Another size of a sweep (notebooks 03 and 05), judged as a problem of its own."""
+        return cls("sweep-size", "another size of the sweep", problem.height, problem.width, problem.batch,
+                   problem.seed, problem.targets)
+
+
 def probe_problem(probe: Probe, main: Problem) -> Problem:
     """The probe's problem for the network of `main`."""
     from .problem import make_problem

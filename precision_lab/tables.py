@@ -100,6 +100,10 @@ COLUMNS: dict[str, Column] = {
     "seed_mean_abs": Column("seed's report: mean |difference|", "reported"),
     "gradient_scale": Column("max |value| (float64)"),
     "log10_replay_over_seed": Column("log₁₀(replay ÷ seed), max differences"),
+    # probes (precision_lab.decision.Diagnosis.probe_rows)
+    "probe": Column("probe (what ran)", "text"), "image": Column("image (H × W)", "text"), "seed": Column("seed", "count"), "targets": Column("targets", "text"),
+    "named": Column("what names it", "text"), "worst_quantity": Column("worst quantity", "text"),
+    "probes": Column("probes", "text"),
     # 05 convolution algorithms
     "seconds": Column("forward + backward time (s)"), "time_vs_native": Column("time ÷ native", "factor"),
     "seconds_at_largest": Column("time at the largest size (s)"),

@@ -53,7 +53,7 @@ class Judgement:
     quantities: dict[str, QuantityVerdict] = field(default_factory=dict)
     layout_fix: str | None = None
     format: str | None = None
-    evidence: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # the doctors' findings about the whole problem, in words
     model: dict = field(default_factory=dict)
     layout_options: dict[str, list[str]] = field(default_factory=dict)  # every fitting transform per quantity
     layout_advice: str | None = None  # the fix in words a Fortran or CUDA programmer can apply
@@ -62,6 +62,18 @@ class Judgement:
     fingerprint: list[dict] = field(default_factory=list)  # correlation with emulated formats, and the null
     hypotheses: list[dict] = field(default_factory=list)  # the defect doctor's tests
     problem: dict = field(default_factory=dict)  # size, batch, seed, source, network
+    format_levels: list[dict] = field(default_factory=list)  # each coarser format's error level and pattern
+
+    @property
+    def evidence(self) -> list[str]:
+        """How the verdict was reached, in words: each quantity that is not plainly `roundoff`, then the notes."""
+        lines = [f"{q.quantity}: {q.verdict}, {q.exceeding} of {q.size} elements beyond the bound (max error ÷ bound "
+                 f"{q.bound_ratio:.3g}){'; ' + q.evidence if q.evidence else ''}"
+                 for q in self.quantities.values() if q.verdict != "roundoff"]
+        settled = [q.quantity for q in self.quantities.values() if q.settled_by]
+        if settled:
+            lines.append(f"settled elsewhere (their bounds here cannot certify): {', '.join(settled)}")
+        return lines + list(self.notes)
 
     def headline(self) -> str:
         """One line: verdict, what names it, and the worst error ÷ bound."""
@@ -172,75 +184,6 @@ def overall(judgement: Judgement) -> None:
         # a cause is named only when it explains every defect quantity, not one tensor of several
         causes = {q.cause for q in judgement.quantities.values() if q.verdict == "defect"}
         judgement.cause = causes.pop() if len(causes) == 1 else None
-    for q in judgement.quantities.values():
-        if q.verdict != "roundoff":
-            judgement.evidence.append(f"{q.quantity}: {q.verdict}, {q.exceeding} of {q.size} elements beyond the "
-                                      f"bound (max error ÷ bound {q.bound_ratio:.3g}){'; ' + q.evidence if q.evidence else ''}")
-
-
-#: the cosine every certified quantity has (‖error‖ ≤ CERTIFIABLE_FRACTION·‖reference‖ gives cos ≥ √(1 − ¼));
-#: a quantity settled elsewhere must show it on its own problem too
-CERTIFIED_COSINE = math.sqrt(1.0 - CERTIFIABLE_FRACTION ** 2)
-#: how a settled quantity's evidence begins (its `settled_by` says by what)
-SETTLED = "not certifiable by its bound on this problem; "
-
-
-def settle_inconclusive(judgement: Judgement, probes: list[tuple[str, Judgement]],
-                        float64_quantities: dict[str, dict] | None = None, others: str = "every probe") -> None:
-    """Settle a problem's `inconclusive` quantities another way, where the evidence allows (the requested
-    problem's by its probes and float64 build; a probe's by the other problems: settle_diagnosis).
-
-    A quantity is `inconclusive` when its bound is too large against it to certify rounding (a deep
-    network's |W|·E bound at a size too large to sample, precision_lab.sampled.ELEMENT_LIMIT). It becomes
-    `roundoff` when (a) the candidate's float64 build shows its error vanishing with the arithmetic
-    (err64 ÷ err32 below the recompilation's boundary: an error that shrinks by u64/u32 is rounding), or
-    (b) every probe judged it and certified it `roundoff` (their bounds are sampled and well below the
-    quantity), and on the requested problem its error leaves the direction a certified quantity keeps
-    (cosine ≥ CERTIFIED_COSINE). Either is said in the quantity's evidence; else it stays `inconclusive`.
-    `float64_quantities`: the recompilation's row per quantity (diagnose's `float64_build["quantities"]`).
-    """
-    vanished = {name: row for name, row in (float64_quantities or {}).items() if row.get("finding") == "vanishes in float64"}
-    settled = []
-    for q in judgement.quantities.values():
-        if q.verdict != "inconclusive":
-            continue
-        if q.quantity in vanished:
-            row = vanished[q.quantity]
-            q.verdict, q.settled_by = "roundoff", "the float64 build"
-            q.evidence = (f"{SETTLED}settled by the float64 build: its error "
-                          f"vanishes with the arithmetic (err64 ÷ err32 = {row['ratio']:.2g})")
-        elif probes and all(q.quantity in p.quantities and p.quantities[q.quantity].verdict == "roundoff"
-                            for _, p in probes) and q.cosine >= CERTIFIED_COSINE:
-            fractions = ", ".join(f"{name} {p.quantities[q.quantity].bound_ratio:.2g}" for name, p in probes)
-            q.verdict, q.settled_by = "roundoff", others
-            q.evidence = (f"{SETTLED}certified on {others} (error ÷ bound "
-                          f"{fractions}), cosine here {q.cosine:.6f}")
-        else:
-            continue
-        settled.append(q.quantity)
-    if settled:
-        judgement.verdict = worst(q.verdict for q in judgement.quantities.values())
-        judgement.evidence = [line for line in judgement.evidence
-                              if not any(line.startswith(f"{name}: inconclusive") for name in settled)]
-        judgement.evidence.append(f"settled elsewhere (their bounds here cannot certify): {', '.join(settled)}")
-
-
-def settle_diagnosis(main: Judgement, probes: list[tuple[str, Judgement]],
-                     float64_quantities: dict[str, dict] | None = None) -> None:
-    """Settle every problem of a diagnosis: the requested one by its probes and float64 build
-    (settle_inconclusive), and each probe by the requested problem and the other probes.
-
-    A probe's bound cannot certify a quantity that is near zero there by chance (a one-element bias
-    whose gradient, the mean residual, is 1/20 of its bound on one probe of 100 seeds): that probe
-    abstains, and the quantity is `roundoff` only if every other problem certified it and the probe's
-    own cosine is that of a certified quantity. A bug that leaves the quantity's error within that
-    probe's bound was below what the probe resolves in any case."""
-    # the order does not matter: a quantity is settled on one problem only if it is `roundoff` on every other,
-    # so no settled verdict can be what settles another
-    settle_inconclusive(main, probes, float64_quantities)
-    for name, judgement in probes:
-        others = [(other, j) for other, j in [("requested", main)] + probes if other != name]
-        settle_inconclusive(judgement, others, None, others="the requested problem and every other probe")
 
 
 def dumps(judgement: Judgement) -> str:

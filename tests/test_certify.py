@@ -137,21 +137,27 @@ def test_sampled_failure_probability_is_the_chi_square_tail():
     assert sampled.failure_probability(32, 9.0) < sampled.failure_probability(16, 9.0)  # more runs, tighter tail
 
 
+def _run(seed: int):
+    """A probe as it ran (labels differ by seed)."""
+    from precision_lab.probes import ProbeRun
+
+    return ProbeRun("odd-61x67", "test", 61, 67, 2, seed, "task")
+
+
 def test_a_diagnosis_names_a_cause_only_if_every_tested_problem_agrees():
-    from precision_lab.diagnose import Diagnosis
-    from precision_lab.probes import DEFAULT_PROBES
+    from precision_lab.decision import Diagnosis
     from precision_lab.verdict import Judgement
 
     def judged(cause):
         return Judgement("c", "float32", "defect", {}, cause=cause, hypotheses=[{"hypothesis": "h", "explains": []}])
 
-    agreeing = Diagnosis(judged("flip W"), [(DEFAULT_PROBES[0], judged("flip W"))])
+    agreeing = Diagnosis(judged("flip W"), [(_run(0), judged("flip W"))])
     assert agreeing.deciding().cause == "flip W"
-    differing = Diagnosis(judged("flip W"), [(DEFAULT_PROBES[0], judged(None))])
+    differing = Diagnosis(judged("flip W"), [(_run(0), judged(None))])
     assert differing.deciding().cause is None
     assert "cause unknown" in differing.deciding().evidence[-1]
     untested = Judgement("c", "float32", "defect", {}, cause=None)  # too large to recompute: no say
-    assert Diagnosis(untested, [(DEFAULT_PROBES[0], judged("flip W"))]).deciding().cause == "flip W"
+    assert Diagnosis(untested, [(_run(0), judged("flip W"))]).deciding().cause == "flip W"
 
 
 def test_cross_entropy_gradient_bound_stays_finite_for_huge_logit_errors():
@@ -210,8 +216,16 @@ def test_a_deep_network_above_the_sampled_size_is_settled_by_its_probes(monkeypa
     assert slipped.main.quantities["conv2.weight"].verdict != "roundoff"  # never settled on probes that fail it
 
 
+def _build(finding: str, ratio: float):
+    from precision_lab.decision import Float64Build
+
+    row = {"err32": 1e-6, "err64": ratio * 1e-6, "ratio": ratio, "expected_ratio_if_rounding": 1.9e-9, "finding": finding}
+    return Float64Build({"g": row}, None, 1.9e-9, 4.3e-5)
+
+
 def test_settling_needs_the_float64_build_or_every_probe_and_a_certified_cosine():
-    from precision_lab.verdict import Judgement, settle_inconclusive
+    from precision_lab.decision import decide
+    from precision_lab.verdict import Judgement
 
     ref = np.array([1.0, -2.0, 0.5])
 
@@ -223,20 +237,46 @@ def test_settling_needs_the_float64_build_or_every_probe_and_a_certified_cosine(
     certified = judgement(ref * (1 + 1e-6), np.abs(ref) * 1e-3)
     failing = judgement(ref * 1.5, np.abs(ref) * 1e-3)
     main = judgement(ref * (1 + 1e-6), loose)
-    settle_inconclusive(main, [("p1", certified), ("p2", certified)])
-    assert main.verdict == "roundoff" and "certified on every probe" in main.quantities["g"].evidence
-    main = judgement(ref * (1 + 1e-6), loose)
-    settle_inconclusive(main, [("p1", certified), ("p2", failing)])
-    assert main.verdict == "inconclusive"  # one probe fails it: not settled
+    settled = decide(main, [(_run(1), certified), (_run(2), certified)]).main
+    assert settled.verdict == "roundoff" and "certified on every probe" in settled.quantities["g"].evidence
+    assert main.verdict == "inconclusive"  # the decision works on copies: the evidence given is unchanged
+    assert decide(main, [(_run(1), certified), (_run(2), failing)]).main.verdict == "inconclusive"  # one fails it
     zero = judgement(np.zeros(3) + 1e-9, loose)
-    settle_inconclusive(zero, [("p1", certified)])
-    assert zero.verdict == "inconclusive"  # cosine ~0 here: the probes cannot vouch for this problem
+    assert decide(zero, [(_run(1), certified)]).main.verdict == "inconclusive"  # cosine ~0: probes cannot vouch
+    by_build = decide(main, float64_build=_build("vanishes in float64", 2e-9)).main
+    assert by_build.verdict == "roundoff" and by_build.quantities["g"].settled_by == "the float64 build"
+    persisting = decide(main, float64_build=_build("persists in float64", 0.9))
+    assert persisting.verdict == "defect" and "persists in the float64 build" in persisting.main.quantities["g"].cause
+
+
+def test_the_order_evidence_arrives_in_does_not_change_the_decision():
+    from itertools import permutations
+
+    from precision_lab.decision import Spread, decide
+    from precision_lab.verdict import Judgement
+
+    ref = np.array([1.0, -2.0, 0.5])
+
+    def judgement(got, bound):
+        q = measure("g", got, ref, bound)
+        return Judgement("c", "float32", q.verdict, {"g": q})
+
+    loose, tight = np.full(3, 3.0), np.abs(ref) * 1e-3
+    problems = [(_run(1), judgement(ref * (1 + 1e-6), tight)), (_run(2), judgement(ref * (1 + 1e-6), loose)),
+                (_run(3), judgement(ref * (1 + 1e-6), tight))]
     main = judgement(ref * (1 + 1e-6), loose)
-    settle_inconclusive(main, [], {"g": {"finding": "vanishes in float64", "ratio": 2e-9}})
-    assert main.verdict == "roundoff" and main.quantities["g"].settled_by == "the float64 build"
-    main = judgement(ref * (1 + 1e-6), loose)
-    settle_inconclusive(main, [], {"g": {"finding": "persists in float64", "ratio": 0.9}})
-    assert main.verdict == "inconclusive"
+    spread = Spread(3, {"g": {"max_spread": 1e-7, "spread_ratio": 0.5, "identical": False}})
+    outcomes = {tuple((label, j.quantities["g"].verdict) for label, j in decide(main, list(order), spread=spread,
+                                                                            float64_build=_build("vanishes in float64", 2e-9)
+                                                                            ).problems()[:1])
+                for order in permutations(problems)}
+    assert outcomes == {(("requested", "roundoff"),)}
+    assert {decide(main, list(order)).verdict for order in permutations(problems)} == {"inconclusive"}  # two loose
+    tight_main = judgement(ref * (1 + 1e-6), tight)
+    verdicts = {decide(tight_main, list(order)).verdict for order in permutations(problems)}
+    assert verdicts == {"roundoff"}  # the loose probe is settled by the others, whichever comes first
+    racing = Spread(3, {"g": {"max_spread": 1e-3, "spread_ratio": 4.0, "identical": False}})
+    assert {decide(main, list(order), spread=racing).verdict for order in permutations(problems)} == {"defect"}
 
 
 def test_a_bound_that_overflows_float32_certifies_nothing_and_accuses_nothing(monkeypatch):
@@ -256,7 +296,8 @@ def test_a_bound_that_overflows_float32_certifies_nothing_and_accuses_nothing(mo
 
 
 def test_a_probe_that_cannot_certify_a_near_zero_quantity_abstains_when_every_other_problem_certifies_it():
-    from precision_lab.verdict import Judgement, settle_diagnosis
+    from precision_lab.decision import decide
+    from precision_lab.verdict import Judgement
 
     ref = np.array([1.0, -2.0, 0.5])
 
@@ -268,19 +309,20 @@ def test_a_probe_that_cannot_certify_a_near_zero_quantity_abstains_when_every_ot
     near_zero = ref * 1e-3  # the gradient is 1/3 of its bound on this probe by chance
     probe = judgement(near_zero * (1 + 1e-4), np.full(3, 3e-3), near_zero)
     assert probe.verdict == "inconclusive"
-    main = certified()
-    settle_diagnosis(main, [("p1", probe), ("p2", certified())])
-    assert probe.verdict == "roundoff" and probe.quantities["g"].settled_by == "the requested problem and every other probe"
-    assert main.quantities["g"].settled_by is None  # certified on its own bound
+    decided = decide(certified(), [(_run(1), probe), (_run(2), certified())])
+    settled = decided.probes[0][1]
+    assert settled.verdict == "roundoff"
+    assert settled.quantities["g"].settled_by == "the requested problem and every other probe"
+    assert decided.main.quantities["g"].settled_by is None  # certified on its own bound
     # a zeroed gradient on that probe (cosine 0) is not vouched for by the others
     zeroed = judgement(np.zeros(3), np.full(3, 3e-3), near_zero)
-    settle_diagnosis(certified(), [("p1", zeroed), ("p2", certified())])
-    assert zeroed.verdict == "inconclusive" and zeroed.quantities["g"].settled_by is None
+    still = decide(certified(), [(_run(1), zeroed), (_run(2), certified())]).probes[0][1]
+    assert still.verdict == "inconclusive" and still.quantities["g"].settled_by is None
     # two problems that cannot certify it do not vouch for each other
     main_loose = judgement(ref * (1 + 1e-6), np.full(3, 3.0))
     probe = judgement(near_zero * (1 + 1e-4), np.full(3, 3e-3), near_zero)
-    settle_diagnosis(main_loose, [("p1", probe), ("p2", certified())])
-    assert main_loose.verdict == "inconclusive" and probe.verdict == "inconclusive"
+    both = decide(main_loose, [(_run(1), probe), (_run(2), certified())])
+    assert both.main.verdict == "inconclusive" and both.probes[0][1].verdict == "inconclusive"
 
 
 @pytest.mark.parametrize("spec, layer, change, named", [
@@ -346,9 +388,20 @@ def test_the_same_slip_in_every_layer_is_one_cause(candidate, slip):
 
 
 def test_different_slips_in_different_layers_are_not_one_cause():
-    from precision_lab.doctors import _one_slip_in_every_layer
+    from types import SimpleNamespace
 
-    assert _one_slip_in_every_layer(["enc1: a", "enc1: a", "down: a"]) == "enc1, down: a"
-    assert _one_slip_in_every_layer(["conv1: a", "conv2: b"]) is None
-    assert _one_slip_in_every_layer(["conv1: a", None]) is None
-    assert _one_slip_in_every_layer(["every ReLU's backward: mask missing", "conv2: mask missing"]) is None
+    from precision_lab.doctors import Slip, _one_slip_in_every_layer
+
+    def fitted(cause):  # a failing quantity as the defect doctor leaves it: the slip's parts kept, never re-read
+        return SimpleNamespace(cause=None if cause is None else str(cause), cause_slip=getattr(cause, "slip", cause),
+                               cause_layers=(cause.layer,) if isinstance(cause, Slip) else ())
+
+    def one(*causes):
+        return _one_slip_in_every_layer([fitted(c) for c in causes])
+
+    assert one(Slip("enc1", "a"), Slip("enc1", "a"), Slip("down", "a")) == "enc1, down: a"
+    assert one(Slip("conv1", "a"), Slip("conv2", "b")) is None
+    assert one(Slip("conv1", "a"), None) is None
+    # a cause with a colon that is no layer-local slip is not split on it
+    assert one("every ReLU's backward: mask missing", Slip("conv2", "mask missing")) is None
+    assert one("conv1: a", "conv2: a") is None

@@ -8,7 +8,8 @@ import torch
 from precision_lab import conclusions
 from precision_lab.candidates import get_builtin, resolve
 from precision_lab.problem import make_problem
-from precision_lab.experiments import algorithms, float64_recompilation, motivating, optimizer_step, size_sweep
+from precision_lab.experiments import (algorithms, decide_all, decided_judgements, float64_recompilation, motivating,
+                                       optimizer_step, size_sweep)
 from precision_lab.tables import format_number
 from precision_lab.verdict import Judgement, QuantityVerdict, judge
 
@@ -99,8 +100,9 @@ def test_optimizer_step_conclusion_quotes_the_masking_and_the_envelope(small_pro
     traj = optimizer_step.trajectories(make_problem(32, 2, 0), chosen, [get_builtin("native"), get_builtin("micro-batched"),
                                                       get_builtin("conv-direct")], CPU, steps=2)
     envelope = optimizer_step.envelope_verdicts(traj)
-    summary = optimizer_step.summarise(judgements, masking, envelope)
-    c = conclusions.optimizer_step(summary, masking, envelope, judgements, lr=0.01, adam_lr=0.001, steps=2,
+    decisions = decide_all(small_problem, chosen, CPU, judgements, probes="none")
+    summary = optimizer_step.summarise(decisions, masking, envelope)
+    c = conclusions.optimizer_step(summary, masking, envelope, decided_judgements(decisions), lr=0.01, adam_lr=0.001, steps=2,
                                    skipped=["native-tf32: needs cuda, this run is on cpu"])
     hide = masking.set_index("candidate").weights_hide_by
     assert f"hides a gradient error by {format_number(hide.min())}–{format_number(hide.max())}×" in c.lead
@@ -116,9 +118,9 @@ def test_optimizer_step_conclusion_quotes_the_masking_and_the_envelope(small_pro
 
 def test_recompilation_conclusion_separates_what_vanishes_from_what_stays(small_problem):
     chosen = [get_builtin("native"), get_builtin("fortran-replay-flip")]
-    table, judgements, _ = float64_recompilation.recompilation_table(small_problem, chosen, CPU)
-    summary = float64_recompilation.summarise(table, judgements)
-    c = conclusions.float64_recompilation(summary, table, judgements)
+    table, decisions, _ = float64_recompilation.recompilation_table(small_problem, chosen, CPU, probes="none")
+    summary = float64_recompilation.summarise(table, decisions)
+    c = conclusions.float64_recompilation(summary, table, decided_judgements(decisions))
     assert "the error vanishes with the arithmetic for native" in c.lead
     assert "it stays for fortran-replay-flip, which is therefore not rounding" in c.lead
     flip = next(f for f in c.findings if f.candidate == "fortran-replay-flip")
@@ -129,10 +131,10 @@ def test_recompilation_conclusion_separates_what_vanishes_from_what_stays(small_
 
 def test_size_sweep_conclusion_names_the_transform_from_the_sweep_table():
     chosen = [get_builtin("native"), get_builtin("fortran-replay-flip")]
-    table = size_sweep.sweep([16, 32], chosen, CPU)
+    table, decisions = size_sweep.sweep([16, 32], chosen, CPU, probes="none")
     fits = size_sweep.signature(size_sweep.fit_exponents(table))
-    summary = size_sweep.summarise(table, fits)
-    c = conclusions.size_sweep(summary, table, fits)
+    summary = size_sweep.summarise(table, fits, decisions)
+    c = conclusions.size_sweep(summary, table, fits, decisions=decisions)
     flip = next(f for f in c.findings if f.candidate == "fortran-replay-flip")
     assert flip.detail == "flip HW" and "flip H and W" in flip.action
     native = next(f for f in c.findings if f.candidate == "native")
@@ -141,9 +143,9 @@ def test_size_sweep_conclusion_names_the_transform_from_the_sweep_table():
 
 def test_motivating_conclusion_answers_the_seeds_question_with_the_seeds_own_figures():
     problem = make_problem(32, 2, 0)
-    table, judgements = motivating.replay(problem, CPU)
-    summary = motivating.summarise(table, judgements)
-    c = conclusions.motivating_case(summary, table, judgements)
+    table, decisions = motivating.replay(problem, CPU, probes="none")
+    summary = motivating.summarise(table, decisions)
+    c = conclusions.motivating_case(summary, table, decided_judgements(decisions))
     assert c.lead.startswith("The seed's weight-gradient differences (0.049–0.29) were not floating-point accumulation")
     assert "(flip HW)" in c.lead
     headline = summary.set_index("candidate").headline
@@ -160,12 +162,14 @@ def test_algorithm_conclusion_changes_with_the_numbers():
                          "bound_ratio": ratio, "max_abs_err": 1e-7, "verdict": "roundoff", "overall": "roundoff",
                          "seconds": 0.1})
     table = pd.DataFrame(rows)
-    c = conclusions.conv_algorithms(algorithms.summary(table), table)
+    fine = _decided("native", "roundoff", **{"winograd-f2x3": "roundoff", "winograd-f4x3": "roundoff"})
+    c = conclusions.conv_algorithms(algorithms.summary(table, fine), table, fine)
     assert c.lead.startswith("3 of 3 algorithms are legitimate float32 implementations")
     assert "Winograd F(4,3) uses more of it than F(2,3) (1.40% against 0.200%), as the larger tile's" in c.lead
     broken = table.copy()
     broken.loc[broken.algorithm == "winograd-f4x3", ["bound_ratio", "verdict", "overall"]] = [3.5, "defect", "defect"]
-    c2 = conclusions.conv_algorithms(algorithms.summary(broken), broken)
+    flagged = _decided("native", "roundoff", **{"winograd-f2x3": "roundoff", "winograd-f4x3": "defect"})
+    c2 = conclusions.conv_algorithms(algorithms.summary(broken, flagged), broken, flagged)
     assert c2.lead.startswith("2 of 3 algorithms") and "(not: winograd-f4x3)" in c2.lead
     f4 = next(f for f in c2.findings if f.candidate == "winograd-f4x3")
     assert f4.verdict == "defect" and "error ÷ bound 3.50" in f4.finding
@@ -201,28 +205,43 @@ def _sweep_rows(candidate, ratios, overall, fmt=None, err_over_grad=1e-3):
             rows.append({"size": size, "n": 2 * size * size, "candidate": candidate, "parameter": parameter,
                          "max_abs_err": 1e-6, "err_over_uS": 10.0 * (size / 64) ** -0.1, "err_over_grad": err_over_grad,
                          "bound_ratio": ratio, "verdict": "roundoff" if ratio <= 1 else "reduced-precision",
-                         "overall_verdict": overall, "overall_layout_fix": None, "overall_format": fmt})
+                         "overall_verdict": overall})
     return rows
+
+
+def _decided(candidate, verdict, fmt=None, **more):
+    """A decision with one quantity (the output) of that verdict: what a hand-made table's verdict came from."""
+    from precision_lab.decision import Diagnosis
+
+    q = QuantityVerdict("output", verdict, 1e-6, 1e-7, 1e-3, 0.5 if verdict == "roundoff" else 3.0, 4.0, 0.99, 1.0,
+                        format=fmt, size=100, exceeding=0 if verdict == "roundoff" else 7)
+    decided = {candidate: Diagnosis(Judgement(candidate, "float32", verdict, {"output": q}, format=fmt))}
+    for name, other in more.items():
+        decided.update(_decided(name, other))
+    return decided
 
 
 def test_size_sweep_conclusion_when_only_the_loss_or_output_is_beyond_at_the_largest_size():
     """tf32 at the seed scale: gradients beyond the bound at small sizes only, the output beyond at 1024."""
     table = pd.DataFrame(_sweep_rows("tf32-emulated", {64: 3.2, 256: 1.4, 1024: 0.748}, "reduced-precision", "tf32"))
     fits = size_sweep.signature(size_sweep.fit_exponents(table))
-    c = conclusions.size_sweep(size_sweep.summarise(table, fits), table, fits)
+    decisions = _decided("tf32-emulated", "reduced-precision", "tf32")
+    c = conclusions.size_sweep(size_sweep.summarise(table, fits, decisions), table, fits, decisions=decisions)
     finding = c.findings[0]
     assert finding.verdict_text == "reduced-precision (tf32)"
     assert finding.action == conclusions.precision_action("tf32")
     assert "worst: conv1.weight at 64 pixels, error ÷ bound 3.20; at 1024 pixels 0.748" in finding.finding
-    assert "At 1024 pixels its gradients are within the bound, but the diagnosis" in finding.finding
+    assert "At 1024 pixels its gradients are within the bound, but the decision" in finding.finding
     assert "Find the bug" not in finding.action
 
 
 def test_size_sweep_defect_without_a_name_says_where_to_look_not_an_empty_list():
     table = pd.DataFrame(_sweep_rows("mine", {64: 0.5, 1024: 0.6}, "defect"))
     fits = size_sweep.signature(size_sweep.fit_exponents(table))
-    finding = conclusions.size_sweep(size_sweep.summarise(table, fits), table, fits).findings[0]
-    assert finding.verdict == "defect" and "the loss or the forward output" in finding.action
+    decisions = _decided("mine", "defect")
+    finding = conclusions.size_sweep(size_sweep.summarise(table, fits, decisions), table, fits,
+                                     decisions=decisions).findings[0]
+    assert finding.verdict == "defect" and "Find the bug" in finding.action
     assert ": are" not in finding.action
 
 
@@ -231,7 +250,9 @@ def test_algorithm_flagged_only_outside_its_gradients_says_so():
              "bound_ratio": 0.3, "max_abs_err": 1e-7, "verdict": "roundoff",
              "overall": "reduced-precision" if size == 64 else "roundoff", "seconds": 0.1} for size in (32, 64)]
     table = pd.DataFrame(rows)
-    finding = conclusions.conv_algorithms(algorithms.summary(table), table).findings[0]
+    decisions = _decided("odd", "reduced-precision", "tf32")
+    finding = conclusions.conv_algorithms(algorithms.summary(table, decisions), table, decisions).findings[0]
     assert finding.verdict == "reduced-precision"
-    assert "within the float32 bound at every size" in finding.finding and "says reduced-precision at 64 pixels" in finding.finding
+    assert "within the float32 bound at every size" in finding.finding
+    assert "finds it reduced-precision on the requested problem" in finding.finding
     assert "Beyond the float32 bound in 0" not in finding.finding

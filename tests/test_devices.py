@@ -164,12 +164,13 @@ def test_the_notebooks_experiments_make_no_tensor_off_the_device(device, implici
     assert judgements["fortran-replay-flip"].verdict == "layout" and len(table)
     traj = optimizer_step.trajectories(problem, candidates[:1], candidates[:1], device, steps=2)
     assert traj["step"].max() == 2
-    table, judgements, _ = float64_recompilation.recompilation_table(problem, candidates, device)
-    assert judgements["native"].verdict == "roundoff"
-    assert len(size_sweep.sweep([16, 24], candidates[:1], device)) > 0
+    table, decisions, _ = float64_recompilation.recompilation_table(problem, candidates, device)
+    assert decisions["native"].verdict == "roundoff"
+    assert len(size_sweep.sweep([16, 24], candidates[:1], device)[0]) > 0
     assert len(size_sweep.noise_floor_at(16, device, ["sum-pairwise", "sum-sequential", "sum-blocked", "split-k",
                                                       "micro-batched"])) > 0
-    assert set(algorithms.sweep([16], ["direct", "fft"], device)["verdict"]) == {"roundoff"}
+    table, decisions = algorithms.sweep([16], ["direct", "fft"], device)
+    assert set(table["verdict"]) == {"roundoff"} and {d.verdict for d in decisions.values()} == {"roundoff"}
     _, judgements = motivating.replay(make_problem(24, 2, 0), device)
     assert any(j.verdict == "layout" for j in judgements.values())
 

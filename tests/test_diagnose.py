@@ -80,8 +80,9 @@ def test_motivating_case_replay_names_the_flip_and_reproduces_the_pattern():
 
     device, problem = setup("cpu", 48, 2, 0)
     table, judgements = motivating.replay(problem, device)
-    slip, faithful = judgements[motivating.REPLAY_SLIP], judgements[motivating.REPLAY]
+    slip, faithful = judgements[motivating.REPLAY_SLIP].judgement(), judgements[motivating.REPLAY].judgement()
     assert slip.verdict == "layout" and slip.layout_fix == "flip HW" and faithful.verdict == "roundoff"
+    assert len(judgements[motivating.REPLAY].probes) == 3  # judged with diagnose's probes
     rows = table.set_index("quantity")
     weights = rows.loc[["conv1.weight", "conv2.weight", "conv3.weight"]]
     biases = rows.loc[["conv1.bias", "conv2.bias", "conv3.bias"]]
@@ -99,7 +100,7 @@ def test_the_overall_cause_comes_from_the_first_problem_that_names_one():
     problem says only where the failure starts, and the probe that names the cause must be the one quoted."""
     from types import SimpleNamespace
 
-    from precision_lab.diagnose import Diagnosis
+    from precision_lab.decision import Diagnosis
 
     def judged(verdict, cause=None, localisation=None):
         return SimpleNamespace(verdict=verdict, layout_fix=None, format=None, cause=cause, localisation=localisation)

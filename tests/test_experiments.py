@@ -58,19 +58,19 @@ def test_trajectory_size_defaults_to_the_problem_size_on_a_gpu_only():
 
 def test_float64_recompilation_ratio_separates_rounding_from_the_slip(cpu_case):
     device, problem, chosen, _ = cpu_case
-    table, judgements, notes = recompilation.recompilation_table(problem, chosen, device)
+    table, decisions, notes = recompilation.recompilation_table(problem, chosen, device)
     params = table[table.quantity != "loss"].set_index(["candidate", "quantity"])
     assert params.loc["native"].ratio.max() <= 1e-6
     flip_weights = params.loc["fortran-replay-flip"].filter(like="weight", axis=0)
     assert (flip_weights.ratio > 0.5).all() and (flip_weights.finding == "persists in float64").all()
-    summary = recompilation.summarise(table, judgements).set_index("candidate")
+    summary = recompilation.summarise(table, decisions).set_index("candidate")
     assert summary.loc["native", "verdict"] == "roundoff"
     assert summary.loc["fortran-replay-flip", "verdict"] != "roundoff"
 
 
 def test_size_sweep_scaling_signatures(cpu_case):
     device, _, chosen, _ = cpu_case
-    table = size_sweep.sweep([32, 64, 128], chosen, device, batch=2, seed=0)
+    table, decisions = size_sweep.sweep([32, 64, 128], chosen, device, batch=2, seed=0)
     raw_fits = size_sweep.signature(size_sweep.fit_exponents(table))
     fits = raw_fits.set_index(["candidate", "parameter"])
     native = fits.loc["native"].filter(like="weight", axis=0)
@@ -78,5 +78,5 @@ def test_size_sweep_scaling_signatures(cpu_case):
     assert (native.max_bound_ratio <= 1.0).all()
     flip = fits.loc["fortran-replay-flip"].filter(like="weight", axis=0)
     assert (flip.min_err_over_grad >= size_sweep.DEFECT_REL_TO_GRAD).all()
-    summary = size_sweep.summarise(table, raw_fits).set_index("candidate")
+    summary = size_sweep.summarise(table, raw_fits, decisions).set_index("candidate")
     assert summary.loc["native", "verdict"] == "roundoff" and summary.loc["fortran-replay-flip", "verdict"] != "roundoff"

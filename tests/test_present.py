@@ -6,7 +6,7 @@ import torch
 from precision_lab import cli, present
 from precision_lab.candidates import resolve
 from precision_lab.device import describe_device
-from precision_lab.diagnose import Diagnosis
+from precision_lab.decision import Diagnosis
 from precision_lab.verdict import judge
 
 
@@ -60,8 +60,8 @@ def test_page_and_text_say_the_same_from_one_summary(small_problem):
     for said in [summary.headline, summary.first_failing, summary.cause, summary.fix]:
         if said:
             assert said in text and " ".join(said.split()) in words, said
-    assert [p[0] for p in summary.probes] == ["odd-61x67"]
-    assert "probe odd-61x67" in words and f"odd-61x67 {summary.probes[0][2]}" in text
+    assert [p[0] for p in summary.probes] == ["61x67-batch2-seed0"]  # the label says what ran
+    assert "probe 61x67-batch2-seed0" in words and f"61x67-batch2-seed0 {summary.probes[0][2]}" in text
     for _, q in summary.failing:  # the first failing quantity of the text is the page's too
         assert q.quantity in words
 

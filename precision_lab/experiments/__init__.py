@@ -88,6 +88,91 @@ def setup(device: str = "auto", size=1024, batch: int = 2, seed: int = 0,
     return resolve_device(device), make_problem(size, batch, seed, image, network=network_for(model))
 
 
-def summary_row(candidate: str, experiment: str, verdict: str, headline: str, **extra) -> dict:
-    """One row of a notebook's summary table (precision_lab.results.SUMMARY_COLUMNS first)."""
-    return {"candidate": candidate, "experiment": experiment, "verdict": verdict, "headline": headline, **extra}
+def summary_row(candidate: str, experiment: str, decision, headline: str, **extra) -> dict:
+    """One row of a notebook's summary table (precision_lab.results.SUMMARY_COLUMNS first), from the candidate's
+    decision (precision_lab.decision.Diagnosis): its verdict, what names it, and whether probes were run."""
+    if isinstance(decision, str):  # a verdict with no decision behind it: the reference-free check (06)
+        return {"candidate": candidate, "experiment": experiment, "verdict": decision, "headline": headline, **extra}
+    return {"candidate": candidate, "experiment": experiment, "verdict": decision.verdict, "headline": headline,
+            "named": decision.summary().named, "probes": probes_run(decision), **extra}
+
+
+def probes_run(decision) -> str:
+    """'3 probes' or 'unprobed': what the verdict rests on besides the requested problem."""
+    if not decision.probed:
+        return "unprobed"
+    return f"{len(decision.probes)} probe{'s' if len(decision.probes) != 1 else ''}"
+
+
+#: float64 references of probe problems: small, and the same for every candidate of a notebook
+_PROBE_REFERENCES: "OrderedDict[tuple, Trace]" = OrderedDict()
+_PROBE_REFERENCE_CACHE_SIZE = 8
+
+
+def probe_reference(problem: Problem, device: torch.device) -> Trace:
+    key = _problem_key(problem, device)
+    if key not in _PROBE_REFERENCES:
+        _PROBE_REFERENCES[key] = reference(problem, device)
+        while len(_PROBE_REFERENCES) > _PROBE_REFERENCE_CACHE_SIZE:
+            _PROBE_REFERENCES.popitem(last=False)
+    return _PROBE_REFERENCES[key]
+
+
+def decide_candidate(candidate: Candidate, problem: Problem, device: torch.device, judgement, probes="default",
+                     others=(), **evidence):
+    """The candidate's verdict as `diagnose` reaches it (precision_lab.decision.decide): its `judgement` of the
+    requested `problem`, its judgements on the probes `diagnose` would run (`probes`: "default", "none", or a
+    comma-separated list of names), the experiment's own `evidence` (float64_build, scaling), and `others`:
+    (ProbeRun, Judgement) of further problems the experiment judged (a sweep's other sizes)."""
+    from .. import probes as probe_set
+    from ..decision import decide
+    from ..diagnose import judge_probes
+
+    chosen = probe_set.select(probes) if isinstance(probes, str) or probes is None else list(probes)
+    if getattr(candidate, "problem", None) is not None:
+        chosen = []  # a static bundle answers its own problem only
+    judged = judge_probes(candidate, problem, device, chosen, reference_of=probe_reference)
+    return decide(judgement, list(others) + judged, probed=bool(chosen) or getattr(candidate, "problem", None) is not None,
+                  probe_note=probe_set.fixed_size_note(problem.network, problem) if chosen else None, **evidence)
+
+
+def decide_all(problem: Problem, candidates: list[Candidate], device: torch.device, judgements: dict,
+               probes="default", desc: str = "probes") -> dict:
+    """decide_candidate for every candidate judged on `problem` (`judgements`: name → Judgement)."""
+    return {candidate.name: decide_candidate(candidate, problem, device, judgements[candidate.name], probes)
+            for candidate in progress(candidates, desc=desc, unit="candidate")}
+
+
+def probe_table(decisions: dict):
+    """One row per candidate × probe: what ran (size, batch, seed, targets), its verdict, its worst quantity."""
+    import pandas as pd
+
+    rows = [row for decision in decisions.values() for row in decision.probe_rows()]
+    return pd.DataFrame(rows, columns=["candidate", "probe", "image", "batch", "seed", "targets", "verdict", "named",
+                                       "worst_quantity", "worst_bound_ratio"])
+
+
+def verdict_table(decisions: dict):
+    """One row per candidate × quantity of the decided verdict (the worst over the requested problem and probes)."""
+    import pandas as pd
+
+    return pd.concat([decision.judgement().to_frame() for decision in decisions.values()], ignore_index=True)
+
+
+def decided_judgements(decisions: dict) -> dict:
+    """Each candidate's decision as one judgement (precision_lab.decision.Diagnosis.judgement): what the
+    conclusions read, so a notebook's words say the same verdict as its summary."""
+    return {name: decision.judgement() for name, decision in decisions.items()}
+
+
+def show_probes(decisions: dict):
+    """The probes table a notebook shows, or the note that its verdicts are unprobed."""
+    from .. import tables
+
+    unprobed = [name for name, decision in decisions.items() if not decision.probed]
+    if unprobed:
+        return tables.notes([f"{', '.join(unprobed)}: unprobed (probes = \"none\"): each verdict rests on the "
+                             "requested problem alone, so boundary and indexing slips that hide under its bound are "
+                             "not ruled out; run with the default probes for a verdict"], "Note:")
+    return tables.show(probe_table(decisions), caption="The probes diagnose runs beside the requested problem (each "
+                       "label says what ran); a candidate's verdict is the worst over all of them (precision_lab.decision)")

@@ -22,7 +22,9 @@ from ..ops import Kernels
 from ..problem import make_problem
 from ..tables import format_number
 from ..verdict import judge
-from . import cached_reference, progress, summary_row
+from ..candidates import Candidate
+from ..probes import ProbeRun
+from . import cached_reference, decide_candidate, progress, summary_row
 
 EXPERIMENT = "05-conv-algorithms"
 DEFAULT_ALGORITHMS = ("native", "direct", "im2col", "fft", "winograd-f2x3", "winograd-f4x3")
@@ -43,24 +45,44 @@ def timed_run(problem, algorithm: str, device: torch.device):
     return result, time.perf_counter() - start
 
 
+def algorithm_candidate(algorithm: str) -> Candidate:
+    """A convolution algorithm as a candidate (claimed float32): what the probes and the decision run."""
+    def run(problem, precision, device):
+        return forward_backward(problem, precision, device, kernels=Kernels(conv=get_algorithm(algorithm),
+                                                                            name=algorithm))
+
+    return Candidate(name=algorithm, description=f"the network with {algorithm} convolutions", run=run)
+
+
 def sweep(sizes: list[int], algorithms: list[str], device: torch.device, batch: int = 2, seed: int = 0,
-          network=None) -> pd.DataFrame:
-    """Per size × algorithm × parameter gradient: error ÷ bound, max error, the verdict, and run time.
+          network=None, probes="default") -> tuple[pd.DataFrame, dict]:
+    """Per size × algorithm × parameter gradient: error ÷ bound, max error, the verdict, and run time; and each
+    algorithm's decision (precision_lab.decision.decide): the largest size with the probes `diagnose` runs there,
+    the other sizes as problems of their own.
     An algorithm runs the network's 3×3 stride-1 convolutions; its other layers run natively."""
-    rows = []
+    rows, judged, problems = [], {}, {}
     for size in progress(sizes, desc="sizes"):
         problem = make_problem(size, batch, seed, network=network)
+        problems[size] = problem
         trace = cached_reference(problem, device)
         for algorithm in algorithms:
             result, seconds = timed_run(problem, algorithm, device)
             judgement = judge(result, trace, "float32", algorithm)
+            judged[algorithm, size] = judgement
             for name in problem.network.parameter_names:
                 q = judgement.quantities[name]
                 rows.append({"algorithm": algorithm, "size": size, "batch": batch, "quantity": name,
                              "n_terms": batch * size * size, "bound_ratio": q.bound_ratio,
                              "max_abs_err": q.max_abs_err, "verdict": q.verdict, "overall": judgement.verdict,
                              "seconds": seconds})
-    return pd.DataFrame(rows)
+    largest = max(problems)
+    decisions = {}
+    for algorithm in progress(algorithms, desc="05 probes", unit="algorithm"):
+        others = [(ProbeRun.of_size(problems[size]), judged[algorithm, size]) for size in sorted(problems)
+                  if size != largest]
+        decisions[algorithm] = decide_candidate(algorithm_candidate(algorithm), problems[largest], device,
+                                                judged[algorithm, largest], probes, others)
+    return pd.DataFrame(rows), decisions
 
 
 def per_run(table: pd.DataFrame) -> pd.DataFrame:
@@ -74,13 +96,11 @@ def per_run(table: pd.DataFrame) -> pd.DataFrame:
     return runs
 
 
-def summary(table: pd.DataFrame) -> pd.DataFrame:
-    """results.SUMMARY_COLUMNS, one row per algorithm: roundoff only if every size was."""
+def summary(table: pd.DataFrame, decisions: dict) -> pd.DataFrame:
+    """results.SUMMARY_COLUMNS, one row per algorithm: its decided verdict (every size and the probes)."""
     runs = per_run(table)
     rows = []
     for algorithm, group in runs.groupby("algorithm", sort=False):
-        verdicts = set(group["overall"])
-        verdict = "roundoff" if verdicts == {"roundoff"} else sorted(verdicts - {"roundoff"})[0]
         largest = group.loc[group["size"].idxmax()]
         # timings go in their own columns, never in the headline: result tables must repeat bit for bit
         headline = (f"worst error ÷ bound {format_number(group['worst_bound_ratio'].max())} over sizes "
@@ -88,7 +108,7 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
         timing = {"seconds_at_largest": float(largest["seconds"])}
         if "time_vs_native" in group:
             timing["time_vs_native_at_largest"] = float(largest["time_vs_native"])
-        rows.append(summary_row(algorithm, EXPERIMENT, verdict, headline, **timing))
+        rows.append(summary_row(algorithm, EXPERIMENT, decisions[algorithm], headline, **timing))
     return pd.DataFrame(rows)
 
 

@@ -22,7 +22,7 @@ from ..formats import unit_roundoff
 from ..problem import Problem
 from ..tables import format_number
 from ..verdict import judge
-from . import cached_reference, progress, summary_row
+from . import cached_reference, decide_candidate, progress, summary_row
 
 EXPERIMENT = "02-float64-recompilation"
 
@@ -36,24 +36,27 @@ def _max_err(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(np.asarray(got, np.float64) - ref)))
 
 
-def recompilation_table(problem: Problem, candidates: list[Candidate], device: torch.device
+def recompilation_table(problem: Problem, candidates: list[Candidate], device: torch.device, probes="default"
                         ) -> tuple[pd.DataFrame, dict[str, object], list[str]]:
-    """Per candidate × parameter: err32, err64 and their ratio; also each float32 judgement.
+    """Per candidate × parameter: err32, err64 and their ratio; and each candidate's decision
+    (precision_lab.decision.decide: the float32 judgement, the probes and the float64 build, one verdict).
 
-    Returns (table, judgements by candidate, notes on candidates without a float64 build).
+    Returns (table, decisions by candidate, notes on candidates without a float64 build).
     """
     ref = cached_reference(problem, device)
-    rows, judgements, notes = [], {}, []
+    rows, decisions, notes = [], {}, []
     for candidate in progress(candidates, desc="02 float32 + float64 builds", unit="candidate"):
         result32 = candidate.compute(problem, "float32", device)
-        judgements[candidate.name] = judge(result32, ref, candidate.claimed_precision, candidate.name)
+        judgement = judge(result32, ref, candidate.claimed_precision, candidate.name)
         result64 = candidate.compute(problem, "float64", device) if candidate.has_float64 else None
         if result64 is None:
             notes.append(f"{candidate.name} has no float64 build: without it the error cannot be shown to vanish "
                          "with the arithmetic, so this experiment cannot tell rounding from a defect for it")
-        rows += [{"candidate": candidate.name, **row}
-                 for row in recompilation_rows(result32, result64, ref, problem.network.parameter_names)]
-    return pd.DataFrame(rows), judgements, notes
+        evidence = build_evidence(result32, result64, ref, problem.network.parameter_names)
+        rows += [{"candidate": candidate.name, "quantity": name, **row} for name, row in evidence.quantities.items()]
+        decisions[candidate.name] = decide_candidate(candidate, problem, device, judgement, probes,
+                                                     float64_build=evidence if result64 is not None else None)
+    return pd.DataFrame(rows), decisions, notes
 
 
 def recompilation_rows(result32, result64, ref, names) -> list[dict]:
@@ -73,6 +76,14 @@ def recompilation_rows(result32, result64, ref, names) -> list[dict]:
     return rows
 
 
+def build_evidence(result32, result64, ref, names, verdict64: str | None = None):
+    """The float64 build as evidence for the decision (precision_lab.decision.Float64Build)."""
+    from ..decision import Float64Build
+
+    rows = recompilation_rows(result32, result64, ref, names)
+    return Float64Build({row.pop("quantity"): row for row in rows}, verdict64, EXPECTED_RATIO, VANISH_THRESHOLD)
+
+
 def _finding(ratio: float, err32: float, err64: float) -> str:
     if math.isnan(err64):
         return "no float64 build"
@@ -81,24 +92,18 @@ def _finding(ratio: float, err32: float, err64: float) -> str:
     return "vanishes in float64" if ratio <= VANISH_THRESHOLD else "persists in float64"
 
 
-def summarise(table: pd.DataFrame, judgements: dict) -> pd.DataFrame:
-    """One row per candidate: verdict and headline for the index.
-
-    An error that persists in float64 is not rounding error, whatever its size: a candidate
-    the bound alone would call `roundoff` is then a `defect` (the lab never calls a bug rounding).
-    """
+def summarise(table: pd.DataFrame, decisions: dict) -> pd.DataFrame:
+    """One row per candidate: the decision's verdict (an error that persists in float64 is a defect there,
+    whatever its size) and the headline for the index."""
     rows = []
     for name, group in table.groupby("candidate", sort=False):
-        verdict = judgements[name].verdict
         params = group[group.quantity != "loss"]
         persists = params[params.finding == "persists in float64"]
-        if not persists.empty and verdict == "roundoff":
-            verdict = "defect"
         if params.finding.eq("no float64 build").all():
             headline = "no float64 build: ratio unavailable"
         else:
             worst = params.ratio.max()
             headline = (f"err64 ÷ err32 ≤ {format_number(worst)} (rounding predicts {format_number(EXPECTED_RATIO)}); "
                         + (f"persists in {', '.join(persists.quantity)}" if len(persists) else "vanishes everywhere"))
-        rows.append(summary_row(name, EXPERIMENT, verdict, headline, worst_ratio=float(params.ratio.max())))
+        rows.append(summary_row(name, EXPERIMENT, decisions[name], headline, worst_ratio=float(params.ratio.max())))
     return pd.DataFrame(rows)

@@ -22,7 +22,7 @@ from ..paths import DATA_DIR
 from ..problem import Problem
 from ..tables import format_number, format_range, format_reported
 from ..verdict import Judgement, judge
-from . import cached_reference, summary_row
+from . import cached_reference, decide_candidate, summary_row
 
 EXPERIMENT = "04-motivating-case"
 
@@ -69,9 +69,10 @@ def _diff(got, want) -> tuple[float, float]:
     return float(d.max()), float(d.mean())
 
 
-def replay(problem: Problem, device: torch.device, seed_table: pd.DataFrame | None = None
-           ) -> tuple[pd.DataFrame, dict[str, Judgement]]:
-    """The seed's table beside the replays' differences from PyTorch, and each replay's judgement.
+def replay(problem: Problem, device: torch.device, seed_table: pd.DataFrame | None = None, probes="default"
+           ) -> tuple[pd.DataFrame, dict]:
+    """The seed's table beside the replays' differences from PyTorch, and each replay's decision
+    (precision_lab.decision: its judgement here and on the probes `diagnose` runs).
 
     Table columns: quantity, seed_max_abs, seed_mean_abs (`seed_table`, by default data/seed-reported.csv), then for each replay
     `<name>_max_abs`/`<name>_mean_abs` (against PyTorch float32, as the seed measured) and
@@ -87,7 +88,8 @@ def replay(problem: Problem, device: torch.device, seed_table: pd.DataFrame | No
     for name in (REPLAY_SLIP, REPLAY):
         candidate = get_builtin(name)
         result = candidate.compute(problem, "float32", device)
-        judgements[name] = judge(result, trace, candidate.claimed_precision, name)
+        judgements[name] = decide_candidate(candidate, problem, device,
+                                            judge(result, trace, candidate.claimed_precision, name), probes)
         diffs = [_diff(result.loss, pytorch.loss) if q == "loss" else _diff(result.grads[q], pytorch.grads[q])
                  for q in table["quantity"]]
         table[f"{name}_max_abs"] = [d[0] for d in diffs]
@@ -111,12 +113,13 @@ def evidence(judgement: Judgement) -> pd.DataFrame:
     return judgement.to_frame()[columns]
 
 
-def summarise(table: pd.DataFrame, judgements: dict[str, Judgement]) -> pd.DataFrame:
-    """One summary row per replay: verdict, and the headline that the index shows."""
+def summarise(table: pd.DataFrame, decisions: dict) -> pd.DataFrame:
+    """One summary row per replay: its decided verdict, and the headline that the index shows."""
     rows = []
     weights = table[table.quantity.str.endswith(".weight")]
     seed = f"{format_reported(weights.seed_max_abs.min())}–{format_reported(weights.seed_max_abs.max())}"  # as written
-    for name, judgement in judgements.items():
+    for name, decision in decisions.items():
+        judgement = decision.judgement()
         differences = weights[f"{name}_max_abs"]
         compared = ("weight gradients identical to PyTorch's, bit for bit" if differences.max() == 0 else
                     f"weight-gradient differences from PyTorch {format_range(differences.min(), differences.max())}")
@@ -124,7 +127,7 @@ def summarise(table: pd.DataFrame, judgements: dict[str, Judgement]) -> pd.DataF
         detail = judgement.layout_fix or judgement.format
         headline = (f"{judgement.verdict}{f' ({detail})' if detail else ''}: worst {worst.quantity} error ÷ bound "
                     f"{format_number(worst.bound_ratio)}; {compared} (seed: {seed})")
-        rows.append(summary_row(name, EXPERIMENT, judgement.verdict, headline))
+        rows.append(summary_row(name, EXPERIMENT, decision, headline))
     return pd.DataFrame(rows)
 
 

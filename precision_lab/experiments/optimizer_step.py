@@ -24,7 +24,7 @@ from ..problem import Problem
 from ..reference import reference
 from ..tables import format_factor, format_number, format_percent
 from ..verdict import judge
-from . import cached_reference, progress
+from . import cached_reference, progress, summary_row
 
 EXPERIMENT = "01-optimizer-step"
 
@@ -207,8 +207,9 @@ def findings(masking: pd.DataFrame, lr: float, adam_lr: float) -> list[str]:
     return lines
 
 
-def summarise(judgements: dict, masking: pd.DataFrame, envelope: pd.DataFrame | None) -> pd.DataFrame:
-    """One row per candidate for the index: the gradient verdict, the update error and the trajectory."""
+def summarise(decisions: dict, masking: pd.DataFrame, envelope: pd.DataFrame | None) -> pd.DataFrame:
+    """One row per candidate for the index: the decided verdict (precision_lab.decision), the update error and
+    the trajectory."""
     rows = []
     inside = {} if envelope is None else envelope.set_index("candidate").inside_envelope.to_dict()
     for row in masking.itertuples():
@@ -218,8 +219,7 @@ def summarise(judgements: dict, masking: pd.DataFrame, envelope: pd.DataFrame | 
         headline = (f"update error {format_number(row.sgd_update_rel_err)} vs weight error "
                     f"{format_number(row.sgd_weight_rel_err)} (weights hide it {format_factor(row.weights_hide_by)})"
                     f"{trajectory}")
-        rows.append({"candidate": row.candidate, "experiment": EXPERIMENT,
-                     "verdict": judgements[row.candidate].verdict, "headline": headline,
-                     "update_rel_err": row.sgd_update_rel_err, "weight_rel_err": row.sgd_weight_rel_err,
-                     "inside_envelope": inside.get(row.candidate)})
+        rows.append(summary_row(row.candidate, EXPERIMENT, decisions[row.candidate], headline,
+                                update_rel_err=row.sgd_update_rel_err, weight_rel_err=row.sgd_weight_rel_err,
+                                inside_envelope=inside.get(row.candidate)))
     return pd.DataFrame(rows)

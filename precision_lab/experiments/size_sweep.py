@@ -28,7 +28,9 @@ from ..calibration import noise_floor
 from ..model import ModelSpecError
 from ..problem import make_problem
 from ..verdict import judge
-from . import cached_reference, network_for, progress, summary_row  # noqa: F401 - network_for for notebook 03
+from ..decision import Scaling
+from ..probes import ProbeRun
+from . import cached_reference, decide_candidate, network_for, progress, summary_row  # noqa: F401 - network_for: 03
 from ..tables import format_number
 
 EXPERIMENT = "03-size-sweep"
@@ -51,18 +53,22 @@ def sizes_for(sizes: list[int], network) -> tuple[list[int], list[str]]:
 
 
 def sweep(sizes: list[int], candidates: list[Candidate], device: torch.device, batch: int = 2, seed: int = 0,
-          image: str | None = None, network=None) -> pd.DataFrame:
-    """Per size × candidate × gradient: errors against S, |g| and the model's bound."""
-    rows = []
+          image: str | None = None, network=None, probes="default") -> tuple[pd.DataFrame, dict]:
+    """Per size × candidate × gradient: errors against S, |g| and the model's bound; and each candidate's
+    decision (precision_lab.decision.decide) on the largest size, with the probes `diagnose` runs there, the
+    other sizes as further problems, and the sweep's scaling (an error O(1) of |g| at every size is no rounding)."""
+    rows, judged, problems = [], {}, {}
     u32 = unit_roundoff("float32")
     for size in progress(sizes, desc="03 sizes", unit="size"):
         problem = make_problem(size, batch, seed, image, network=network)
+        problems[size] = problem
         ref = cached_reference(problem, device)
         abs_sums = errmodel.abs_term_sums(ref)
         n = batch * size * size
         for candidate in progress(candidates, desc=f"03 size {size}", unit="candidate", leave=False):
             result = candidate.compute(problem, "float32", device)
             judgement = judge(result, ref, candidate.claimed_precision, candidate.name)
+            judged[candidate.name, size] = judgement
             for name in problem.network.parameter_names:
                 err = np.abs(np.asarray(result.grads[name], np.float64) - ref.grads[name])
                 s = np.asarray(abs_sums[name], np.float64)
@@ -75,12 +81,28 @@ def sweep(sizes: list[int], candidates: list[Candidate], device: torch.device, b
                     "err_over_grad": float(err.max() / max(np.abs(ref.grads[name]).max(), 1e-300)),
                     "bound_ratio": quantity.bound_ratio, "verdict": quantity.verdict,
                     "overall_verdict": judgement.verdict,
-                    # what names the overall verdict (a transform, a format): the conclusion's "what to do" needs it
-                    "overall_layout_fix": judgement.layout_fix, "overall_format": judgement.format,
                     "sqrt_n": math.sqrt(n), "log2_n": math.log2(n),
                 })
         del ref, abs_sums
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    return table, decide_sweep(table, judged, problems, candidates, device, probes)
+
+
+def decide_sweep(table: pd.DataFrame, judged: dict, problems: dict, candidates: list[Candidate], device,
+                 probes="default") -> dict:
+    """Each candidate's decision: the largest size is the requested problem; the other sizes join the probes as
+    problems of their own; the fitted scaling is evidence (precision_lab.decision.Scaling)."""
+    largest = max(problems)
+    fits = fit_exponents(table)
+    decisions = {}
+    for candidate in progress(candidates, desc="03 probes", unit="candidate"):
+        mine = fits[fits.candidate == candidate.name]
+        scaling = Scaling(tuple(sorted(problems)), dict(zip(mine.parameter, mine.min_err_over_grad)), DEFECT_REL_TO_GRAD)
+        others = [(ProbeRun.of_size(problems[size]), judged[candidate.name, size]) for size in sorted(problems)
+                  if size != largest]
+        decisions[candidate.name] = decide_candidate(candidate, problems[largest], device,
+                                                     judged[candidate.name, largest], probes, others, scaling=scaling)
+    return decisions
 
 
 def fit_exponents(table: pd.DataFrame) -> pd.DataFrame:
@@ -111,21 +133,16 @@ def signature(fits: pd.DataFrame) -> pd.DataFrame:
     return fits.assign(signature=fits.apply(classify, axis=1))
 
 
-def summarise(table: pd.DataFrame, fits: pd.DataFrame) -> pd.DataFrame:
-    """One row per candidate: the verdict at the largest size, and the scaling found."""
+def summarise(table: pd.DataFrame, fits: pd.DataFrame, decisions: dict) -> pd.DataFrame:
+    """One row per candidate: its decision's verdict, and the scaling found."""
     rows = []
     largest = table[table["size"] == table["size"].max()]
     for name, group in largest.groupby("candidate", sort=False):
-        verdict = group.overall_verdict.iloc[0]
-        cand_fits = fits[fits.candidate == name]
-        weights = cand_fits[cand_fits.parameter.str.endswith("weight")]
-        defect_like = (cand_fits.min_err_over_grad >= DEFECT_REL_TO_GRAD).any()
-        if defect_like and verdict == "roundoff":  # O(1) error at every size is never rounding
-            verdict = "defect"
+        weights = fits[(fits.candidate == name) & fits.parameter.str.endswith("weight")]
         headline = (f"error ÷ (u·S) ∝ n^{weights.alpha_vs_S.median():.2f}, error ÷ |g| ∝ n^{weights.beta_vs_grad.median():.2f}"
                     f" (weights, median); max error ÷ bound {format_number(group.bound_ratio.max())} at "
                     f"{group['size'].iloc[0]} × {group['size'].iloc[0]}")
-        rows.append(summary_row(name, EXPERIMENT, verdict, headline,
+        rows.append(summary_row(name, EXPERIMENT, decisions[name], headline,
                                 alpha_vs_S=float(weights.alpha_vs_S.median()),
                                 beta_vs_grad=float(weights.beta_vs_grad.median())))
     return pd.DataFrame(rows)
