@@ -22,7 +22,8 @@ from precision_lab.candidates import registry
 from precision_lab.model import load_model
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference
-from precision_lab.verdict import judge, settle_diagnosis
+from precision_lab.decision import decide
+from precision_lab.verdict import judge
 from precision_lab.compare import bound_fraction
 import numpy as np
 
@@ -66,8 +67,9 @@ def main() -> None:
                 worst_fraction = max(worst_fraction, bound_fraction(np.asarray(ref, np.float64), q.bound))
         for name, judgements in judged.items():
             # what the requested problem's bound cannot certify, every probe may (as diagnose settles it)
-            settle_diagnosis(judgements[0], [(p.name, j) for p, j in zip(probe_set.DEFAULT_PROBES, judgements[1:])])
-            for problem, judgement in zip(problems, judgements):
+            decided = decide(judgements[0], [(probe_set.ProbeRun.of(p, problem), j) for p, problem, j
+                                             in zip(probe_set.DEFAULT_PROBES, problems[1:], judgements[1:])])
+            for problem, (_, judgement) in zip(problems, decided.problems()):
                 if judgement.verdict != "roundoff":
                     alarms[name] += 1
                     print(f"seed {seed} {problem.size_text} {name}: {judgement.headline()}", flush=True)

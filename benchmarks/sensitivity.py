@@ -20,7 +20,7 @@ What a diagnosis (`precision-lab diagnose`, default probes) says about
 6. `networks` (only when asked): on every example network at its natural size (the deep denoiser at 256²,
    above the size sampled propagation runs at, so its probes settle what its bound cannot), at
    `--network-seeds` seeds with the default probes, judged as diagnose judges (the worst of the problem and
-   its probes, after verdict.settle_diagnosis): each layer's gradients zeroed, each weight gradient 10% short (scaled by 0.9), the largest
+   its probes, through decision.decide): each layer's gradients zeroed, each weight gradient 10% short (scaled by 0.9), the largest
    element of each weight gradient slipped by ε (smallest ε caught on the grid), and the native float32 run.
    `--network-spec SPEC:SIZE` runs the same on any model spec (benchmarks/networks/ holds networks
    unlike the examples: a GELU/tanh MLP classifier, a strided leaky-ReLU classifier, six sigmoid convolutions, a
@@ -57,7 +57,8 @@ from precision_lab.device import resolve_device
 from precision_lab.ops import OPS, BackwardReplaced
 from precision_lab.problem import Problem, make_problem, parse_size
 from precision_lab.reference import reference
-from precision_lab.verdict import judge, settle_diagnosis, worst
+from precision_lab.decision import decide
+from precision_lab.verdict import judge, worst
 
 #: issue 12, item 6: the slips a diagnosis at 1024² with its default probes must catch
 TARGETS = {"largest": 1e-3, "median": 1e-2}
@@ -296,9 +297,9 @@ def network_rows(seeds: int, batch: int, device, chosen: list[str]) -> list[dict
 
             def verdict(change) -> str:
                 judged = [judge(change(result), trace, hypotheses=False) for trace, result in cases]
-                # what the requested problem's bound cannot certify, every probe may (as diagnose settles it)
-                settle_diagnosis(judged[0], [(p.name, j) for p, j in zip(probe_set.DEFAULT_PROBES, judged[1:])])
-                return worst(j.verdict for j in judged)
+                # the one decision diagnose makes: what the requested problem's bound cannot certify, the probes may
+                return decide(judged[0], [(probe_set.ProbeRun.of(p, problem), j) for p, problem, j
+                                          in zip(probe_set.DEFAULT_PROBES, problems[1:], judged[1:])]).verdict
 
             native_ok += verdict(lambda r: r) == "roundoff"
             for layer in network.parametrised_layers:

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from .candidates.command import CommandProgram
     from .compute import Result, Trace
     from .problem import Problem
-    from .verdict import Judgement
 
 #: the seed scale (docs/design.md, "The motivating case"): 1024×1024, batch 2
 DEFAULT_SIZE, DEFAULT_BATCH, DEFAULT_SEED = 1024, 2, 0

@@ -243,8 +243,9 @@ def test_algorithms_experiment_judges_every_algorithm_roundoff():
     from precision_lab.experiments import algorithms as experiment
     from precision_lab.results import SUMMARY_COLUMNS
 
-    table = experiment.sweep([24], list(experiment.DEFAULT_ALGORITHMS), torch.device("cpu"), batch=1, seed=0)
-    summary = experiment.summary(table)
+    table, decisions = experiment.sweep([24], list(experiment.DEFAULT_ALGORITHMS), torch.device("cpu"), batch=1, seed=0)
+    summary = experiment.summary(table, decisions)
+    assert all(len(d.probes) == 3 for d in decisions.values())  # each algorithm judged on diagnose's probes too
     assert list(summary.columns[:4]) == list(SUMMARY_COLUMNS)
     assert set(summary["candidate"]) == set(experiment.DEFAULT_ALGORITHMS)
     assert (summary["verdict"] == "roundoff").all(), summary
