@@ -45,3 +45,34 @@ def test_ulp_distance_counts_float32_spacings():
     b = np.array([1.0, 1.0, 0.75])
     a = np.array([1.0 + 2.0 ** -23, 1.0 + 4 * 2.0 ** -23, 0.75])
     assert formats.ulp_distance(a, b).tolist() == [1.0, 4.0, 0.0]
+
+
+def _scaled_emulation(reference, fmt: str, scale: float):
+    """A result whose error is `scale` × what emulated `fmt` operands make: the format's pattern at `scale` × its
+    level (scale 1: the format itself)."""
+    from precision_lab.compute import Result
+    from precision_lab.doctors import emulate
+
+    emulated = emulate(reference, fmt)
+
+    def scaled(got, want):
+        want = np.asarray(want, np.float64)
+        return (want + scale * (np.asarray(got, np.float64) - want)).astype(np.float32)
+
+    return Result(float(scaled(emulated.loss, reference.loss)),
+                  {n: scaled(g, reference.grads[n]) for n, g in emulated.grads.items()},
+                  scaled(emulated.output, reference.output), "float32", {"candidate": f"{fmt}×{scale:g}"})
+
+
+def test_a_format_is_named_only_with_its_level_and_its_pattern_both(small_reference):
+    """An error with bfloat16's pattern at 23× its level is no bfloat16 run (a divisor slip was named so on a probe
+    whose own evidence said 'bfloat16 23×'); bfloat16 itself, at its level, is named."""
+    from precision_lab.verdict import judge
+
+    named = judge(_scaled_emulation(small_reference, "bfloat16", 1.0), small_reference, "float32", "bf16")
+    assert named.verdict == "reduced-precision" and named.format == "bfloat16", named.to_text()
+    off_level = judge(_scaled_emulation(small_reference, "bfloat16", 23.0), small_reference, "float32", "23x")
+    assert off_level.verdict == "defect", off_level.to_text()
+    assert not any(q.format for q in off_level.quantities.values()), off_level.to_text()
+    rows = [row for row in off_level.fingerprint if row["format"] == "bfloat16" and row["correlation"] >= 0.95]
+    assert rows and not any(row["conclusive"] for row in rows)  # the pattern is there; the level is not

@@ -68,3 +68,22 @@ def test_a_six_by_six_classifier_gets_its_own_size_not_the_same_area():
     assert (3, 12) in net.sizes_near(61, 67, limit=64)  # what the probes used to choose (3 < MIN_SIDE)
     main = make_problem((6, 6), 2, 0, network=net)
     assert {probes.probe_problem(p, main).size_text for p in probes.DEFAULT_PROBES} == {"6×6"}
+
+
+def test_a_probe_label_says_what_ran_on_a_network_of_one_input_size():
+    """A flatten feeding a linear layer takes one size: the probes run there, and their labels say so (they read
+    'odd-61x67, odd-33x47-batch3' before, for problems that were neither)."""
+    from precision_lab import probes as probe_set
+    from precision_lab.model import load_model
+    from precision_lab.paths import ROOT
+    from precision_lab.problem import make_problem
+
+    network = load_model(ROOT / "examples" / "models" / "lenet-classifier.json")
+    assert network.has_fixed_size
+    main = make_problem(network.default_size(32), 2, 0, network=network)
+    runs = [probe_set.ProbeRun.of(p, probe_set.probe_problem(p, main)) for p in probe_set.DEFAULT_PROBES]
+    h, w = main.height, main.width
+    assert [run.name for run in runs] == [f"{h}x{w}-batch3-seed2", f"{h}x{w}-batch3-seed0",
+                                          f"{h}x{w}-batch2-seed1-random-targets"]
+    for run in runs:
+        assert (run.height, run.width) == (h, w) and run.text().startswith(f"{h}×{w}, batch {run.batch}")
