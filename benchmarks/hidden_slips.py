@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import platform
 import shlex
 import subprocess
@@ -82,8 +83,9 @@ def main() -> None:
     header = [f"## Slips hidden under the 1024² bound, through notebooks 01–03",
               "", f"- command: `python benchmarks/{Path(__file__).name} {shlex.join(sys.argv[1:])}`".replace(" `", " `", 1),
               f"- commit {commit or 'unknown'}, {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-              f"{platform.machine()} {platform.processor() or ''} ({__import__('os').cpu_count()} cores), "
-              f"size {args.size}, 03 sizes {sizes}, batch 2, seed 0", ""]
+              f"{platform.machine()} ({os.cpu_count()} cores), "
+              f"size {args.size}, 03 sizes {sizes}, batch 2, seed 0; load average at the end "
+              f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}", ""]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a", encoding="utf-8") as handle:

@@ -250,8 +250,9 @@ def algorithms_table(size: int, batch: int, seed: int, device="cpu"):
 
     from .experiments import algorithms
 
-    table = algorithms.sweep([size], list(algorithms.DEFAULT_ALGORITHMS), torch.device(device), batch, seed)
-    return algorithms.per_run(table)
+    table, decisions = algorithms.sweep([size], list(algorithms.DEFAULT_ALGORITHMS), torch.device(device), batch, seed)
+    runs = algorithms.per_run(table)
+    return runs.assign(overall=runs["algorithm"].map(lambda name: decisions[name].verdict))  # with the probes
 
 
 def _met(value: float, target: float) -> str:

@@ -119,41 +119,20 @@ def _axes_in_words(axes: str) -> str:
     return " and ".join(axes)
 
 
-def _fix_parts(fix: str) -> list[tuple[str, str]]:
-    """'layout IOHW + flip HW' → [('layout', 'IOHW'), ('flip', 'HW')] (precision_lab.verdict.transform_name)."""
-    parts = []
-    for part in fix.split(" + "):
-        kind, _, value = part.strip().partition(" ")
-        if kind in ("layout", "flip") and value:
-            parts.append((kind, value))
-    return parts
+def describe_transform(parts) -> str:
+    """(('flip', 'HW'),) → 'flipped in H and W'; (('layout', 'IOHW'),) → 'read as IOHW' (doctors.transform_parts)."""
+    return " and ".join(f"read as {value}" if kind == "layout" else f"flipped in {_axes_in_words(value)}"
+                        for kind, value in parts)
 
 
-def _per_quantity_fixes(fix: str) -> list[tuple[str | None, str]]:
-    """A judgement's layout_fix: one transform for all, or 'conv1.weight: flip HW; conv2.weight: …'."""
-    if ": " not in fix:
-        return [(None, fix)]
-    pairs = []
-    for item in fix.split("; "):
-        name, _, transform = item.partition(": ")
-        pairs.append((name, transform))
-    return pairs
-
-
-def describe_transform(fix: str) -> str:
-    """'flip HW' → 'flipped in H and W'; 'layout IOHW' → 'read as IOHW'."""
-    words = []
-    for kind, value in _fix_parts(fix):
-        words.append(f"read as {value}" if kind == "layout" else f"flipped in {_axes_in_words(value)}")
-    return " and ".join(words) or fix
-
-
-def layout_action(fix: str) -> str:
-    """What to do about a layout verdict: the declaration or the flip that makes the buffer match."""
+def layout_action(fixes, transforms: dict) -> str:
+    """What to do about a layout verdict: the declaration or the flip that makes the buffer match. `fixes`: (quantity
+    or None for every one, transform name) (Judgement.layout_fixes); `transforms`: each name's steps."""
     sentences = []
-    for name, transform in _per_quantity_fixes(fix):
+    for name, transform in fixes:
+        parts = transforms.get(transform, ())
         steps = []
-        for kind, value in _fix_parts(transform):
+        for kind, value in parts:
             if kind == "layout":
                 # not "declare weight_layout {value}": that also changes the layout the weights arrive in
                 steps.append(f"transpose it from {value} to the layout it is declared in before writing")
@@ -161,7 +140,7 @@ def layout_action(fix: str) -> str:
                 steps.append(f"flip {_axes_in_words(value)} where the gradient is converted (or remove the flip "
                              "the conversion already does)")
         where = f"{name}: " if name else ""
-        sentences.append(f"{where}the gradient matches once {describe_transform(transform)}; "
+        sentences.append(f"{where}the gradient matches once {describe_transform(parts) or transform}; "
                          + " and ".join(steps or [f"apply {transform}"]) + " before comparing")
     text = "; ".join(sentences)
     return text[:1].upper() + text[1:] + "."
@@ -201,8 +180,8 @@ def action_for(judgement) -> str:
     """What to do, from a judgement (precision_lab.verdict.Judgement)."""
     if judgement.verdict == "roundoff":
         return NOTHING_TO_FIX
-    if judgement.verdict == "layout" and judgement.layout_fix:
-        return layout_action(judgement.layout_fix)
+    if judgement.verdict == "layout" and judgement.layout_fixes:
+        return layout_action(judgement.layout_fixes, judgement.transforms)
     if judgement.verdict == "reduced-precision" and judgement.format:
         return precision_action(judgement.format)
     return defect_action(judgement)
@@ -218,6 +197,12 @@ def judgement_detail(judgement) -> str:
         judgement.format if judgement.verdict == "reduced-precision" else "") or ""
 
 
+def _transform_words(judgement) -> str:
+    """The layout fix in words ('flipped in H and W'), per quantity where they differ."""
+    return "; ".join((f"{name}: " if name else "") + (describe_transform(judgement.transforms.get(fix, ())) or fix)
+                     for name, fix in judgement.layout_fixes) or (judgement.layout_fix or "")
+
+
 def judgement_phrase(judgement) -> str:
     """The judgement in one clause: 'within the float32 rounding bound (…)' / 'beyond it … matches once …'."""
     claimed = judgement.claimed_precision
@@ -229,7 +214,7 @@ def judgement_phrase(judgement) -> str:
     names = ", ".join(q.quantity for q in off)
     if judgement.verdict == "layout":
         return (f"beyond the {claimed} bound in {names} (error ÷ bound up to {format_number(worst.bound_ratio)}), "
-                f"and within it once the gradient is {describe_transform(judgement.layout_fix or '')}")
+                f"and within it once the gradient is {_transform_words(judgement)}")
     if judgement.verdict == "reduced-precision":
         return (f"beyond the {claimed} bound in {names} (error ÷ bound up to {format_number(worst.bound_ratio)}) "
                 f"but within the {judgement.format} bound, with {judgement.format}'s error level")
@@ -286,12 +271,11 @@ def from_judgement(judgement, experiment: str = "diagnose", lead: str | None = N
 
 def _verdict_groups(findings: list[Finding]) -> str:
     """'native, fortran-replay: roundoff; fortran-replay-flip: layout (flip HW)'."""
-    groups: dict[str, list[str]] = {}
+    groups: dict[tuple[str, str], list[str]] = {}
     for f in findings:
-        groups.setdefault(f.verdict_text, []).append(f.candidate)
-    order = sorted(groups, key=lambda text: SEVERITY.index(text.split(" ")[0]) if text.split(" ")[0] in SEVERITY else 9,
-                   reverse=True)
-    return "; ".join(f"{', '.join(groups[v])}: {v}" for v in order)
+        groups.setdefault((f.verdict, f.verdict_text), []).append(f.candidate)
+    order = sorted(groups, key=lambda key: SEVERITY.index(key[0]) if key[0] in SEVERITY else len(SEVERITY), reverse=True)
+    return "; ".join(f"{', '.join(groups[key])}: {key[1]}" for key in order)
 
 
 def _action_for_verdict(verdict: str, judgement, override_reason: str) -> str:
@@ -340,7 +324,16 @@ def optimizer_step(summary, masking, envelope, judgements: dict, lr: float, adam
             f"least {format_percent(masking.adam_sign_only_fraction.min())} of elements, so neither comparison tells "
             f"rounding from a bug; judged on the gradients (and the updates, which keep their error): "
             f"{_verdict_groups(findings)}.")
-    return Conclusion(EXPERIMENT, lead, findings, _skipped_notes(skipped))
+    return Conclusion(EXPERIMENT, lead, findings, _skipped_notes(skipped) + _unprobed(judgements))
+
+
+def _unprobed(decided) -> list[str]:
+    """A note naming the candidates judged without the probes (precision_lab.decision: `probed` False)."""
+    names = [name for name, d in (decided or {}).items() if getattr(d, "probed", True) is False]
+    if not names:
+        return []
+    return [f"Unprobed: {', '.join(names)} judged on the requested problem alone (probes = \"none\"); boundary and "
+            "indexing slips that hide under its bound are not ruled out — run with the default probes for a verdict."]
 
 
 def _skipped_notes(skipped) -> list[str]:
@@ -399,7 +392,7 @@ def float64_recompilation(summary, table, judgements: dict, skipped=()) -> Concl
         clauses.append(f"{', '.join(untested)} cannot be tested this way (no float64 build)")
     lead = ("Recompiled in float64, " + "; ".join(clauses) + f". Verdicts: {_verdict_groups(findings)}."
             if clauses else "No candidate ran.")
-    return Conclusion(EXPERIMENT, lead[0].upper() + lead[1:], findings, _skipped_notes(skipped))
+    return Conclusion(EXPERIMENT, lead[0].upper() + lead[1:], findings, _skipped_notes(skipped) + _unprobed(judgements))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,12 +455,12 @@ def size_sweep(summary, table, fits, skipped=(), decisions: dict | None = None) 
                         f"a defect stays ≥ {format_number(DEFECT_REL_TO_GRAD)} at every size")]
         if decided is not None and worst_largest.bound_ratio <= 1.0 and row.verdict != "roundoff":
             measurements += judgement_measurements(decided)[:2]
-        action = (action_for(decided) if decided is not None and not len(defect_like)
+        action = (action_for(decided) if decided is not None and (row.verdict != "defect" or not len(defect_like))
                   else _action_from_verdict(row.verdict, detail, defect_like, at_largest))
         findings.append(Finding(row.candidate, row.verdict, text, measurements, action, detail))
     lead = (f"Across sizes {', '.join(map(str, sizes))} (n = batch·H·W up to {format_number(int(table.n.max()))} terms "
             f"per weight-gradient sum): {_verdict_groups(findings)}.")
-    return Conclusion(EXPERIMENT, lead, findings, _skipped_notes(skipped))
+    return Conclusion(EXPERIMENT, lead, findings, _skipped_notes(skipped) + _unprobed(decisions))
 
 
 def _action_from_verdict(verdict: str, detail: str, defect_like, at_largest) -> str:
@@ -475,7 +468,7 @@ def _action_from_verdict(verdict: str, detail: str, defect_like, at_largest) -> 
     if verdict == "roundoff":
         return NOTHING_TO_FIX
     if verdict == "layout" and detail:
-        return layout_action(detail)
+        return f"Fix the layout: the gradient matches after {detail} (precision-lab diagnose says how, buffer by buffer)."
     if verdict == "reduced-precision" and detail:
         return precision_action(detail)
     bad = at_largest[at_largest.bound_ratio > 1.0]
@@ -540,7 +533,7 @@ def motivating_case(summary, table, judgements: dict) -> Conclusion:
     else:
         lead = (f"The replays do not settle the seed's question on this run: {_verdict_groups(findings)} "
                 f"(the float32 rounding bound of the weight gradients is at most {bound}).")
-    return Conclusion(EXPERIMENT, lead, findings)
+    return Conclusion(EXPERIMENT, lead, findings, _unprobed(judgements))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,7 +591,7 @@ def conv_algorithms(summary, table, decisions: dict | None = None) -> Conclusion
         lead += (f" Winograd F(4,3) uses {'more' if f4 > f2 else 'no more'} of it than F(2,3) ({format_percent(f4)} "
                  f"against {format_percent(f2)}), {'as' if f4 > f2 else 'unlike what'} the larger tile's error growth "
                  "(Barabasz et al. 2020) predicts.")
-    return Conclusion(EXPERIMENT, lead, findings)
+    return Conclusion(EXPERIMENT, lead, findings, _unprobed(decisions))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -282,7 +282,7 @@ class Diagnosis:
                 if other is not None and worst([chosen.verdict, other.verdict]) != chosen.verdict:
                     chosen = replace(other, problem=run.name)
             quantities[name] = chosen
-        return replace(deciding, verdict=self.verdict, quantities=quantities,
+        return replace(deciding, verdict=self.verdict, quantities=quantities, probed=self.probed,
                        notes=list(deciding.notes) + self._notes())
 
     def _notes(self) -> list[str]:

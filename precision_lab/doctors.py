@@ -1,7 +1,9 @@
 """The doctors: what explains a quantity beyond its bound (docs/design.md, "Explaining a verdict").
 
-Each reads the comparisons (precision_lab.compare) and the float64 reference and writes its
-findings into the judgement; none changes an earlier stage.
+Each reads the verdicts so far (the comparisons of precision_lab.compare with the findings before it
+applied, a copy) and the float64 reference, and returns `Finding`s (precision_lab.findings): what it
+found about which quantity, with the numbers. None edits a judgement; `verdict.decide_problem` makes
+the verdict from the comparisons and every finding, by precedence.
 
 * `layouts` — the layout doctor, by buffer: a gradient read as the candidate wrote it (its
   declared layout's shape, C or F order) is tried in every layout it could hold, with every flip
@@ -32,6 +34,7 @@ import torch
 from . import errmodel, formats
 from .compare import ComparisonError, quantity_arrays
 from .compute import GradBuffer, Result, Trace, forward_backward, layer_params
+from .findings import Finding
 from .layout import canonical_for, from_layout, layout_for, shape_in_layout
 from .ops import OPS, BackwardReplaced, BoundContext, Field, GradField, Kernels
 
@@ -97,10 +100,14 @@ def transforms(ndim: int) -> list[tuple[str, tuple[str, ...]]]:
     return [("".join(p), f) for p in itertools.permutations(canonical) for f in flips]
 
 
+def transform_parts(held: str, declared: str, flipped: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """(('layout', 'IOHW'), ('flip', 'HW')): what a transform does, step by step (the layout only when it differs)."""
+    return ((("layout", held),) if held != declared else ()) + ((("flip", "".join(flipped)),) if flipped else ())
+
+
 def transform_name(held: str, declared: str, flipped: tuple[str, ...]) -> str:
     """'layout OHWI', 'flip HW', 'layout IOHW + flip HW' (the layout named only when it differs)."""
-    parts = ([f"layout {held}"] if held != declared else []) + ([f"flip {''.join(flipped)}"] if flipped else [])
-    return " + ".join(parts)
+    return " + ".join(f"{kind} {value}" for kind, value in transform_parts(held, declared, flipped))
 
 
 def buffer_of(result: Result, name: str, got: np.ndarray) -> GradBuffer:
@@ -156,10 +163,10 @@ def layout_advice(name: str, buffer: GradBuffer, held: str, flipped: tuple[str, 
     return ", ".join(f"{n}.grad" for n in names) + ": " + "; ".join(steps)
 
 
-def layouts(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
-    """Name the layout of every weight gradient beyond its bound that some transform fixes."""
-    found = {}  # name → (buffer, fits, ndim)
-    for name, q in judgement.quantities.items():
+def layouts(quantities, result: Result, reference: Trace, pairs, bounds) -> list[Finding]:
+    """Name the layout of every weight gradient beyond its bound that some transform fixes, and the fix in words."""
+    found, findings = {}, []  # name → (buffer, fits, ndim)
+    for name, q in quantities.items():
         if q.verdict != "defect" or not math.isfinite(q.bound_ratio) or not name.endswith(".weight"):
             continue
         got, ref = pairs[name]
@@ -171,11 +178,11 @@ def layouts(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
             continue
         declared = layout_for(ref.ndim, buffer.declared) if len(buffer.declared) == 4 else buffer.declared
         names = [transform_name(held, declared, flipped) for held, flipped in fits]
-        q.verdict, q.layout_fix = "layout", names[0]
-        judgement.layout_options[name] = names
-        q.evidence = f"matches within the bound after: {', '.join(names[:4])}"
+        parts = {n: transform_parts(held, declared, flipped) for n, (held, flipped) in zip(names, fits)}
+        findings.append(Finding("layout", name, "layout", names[0], f"matches within the bound after: {', '.join(names[:4])}",
+                                {"options": names, "parts": parts}))
         found[name] = (buffer, fits, ref.ndim)
-    if found and judgement.layout_advice is None:
+    if found:
         # one fix for every slipped buffer: the first transform all of them admit (verdict.overall names the
         # same), told for the buffer it fits most plainly (one input channel makes OHWI and OHIW the same bytes)
         first = next(iter(found.values()))[1]
@@ -183,7 +190,9 @@ def layouts(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
         name = min((n for n in found if common[0] in found[n][1]), key=lambda n: len(found[n][1]))
         buffer, _, ndim = found[name]
         applies = [n for n in found if common[0] in found[n][1]]  # every buffer the fix applies to, in network order
-        judgement.layout_advice = layout_advice(applies[0], buffer, common[0][0], common[0][1], ndim, tuple(applies[1:]))
+        findings.append(Finding("layout-advice", name=layout_advice(applies[0], buffer, common[0][0], common[0][1],
+                                                                      ndim, tuple(applies[1:]))))
+    return findings
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,44 +274,55 @@ def _is_isolated(q) -> bool:
     return q.bound_ratio > FORMAT_MATCH_FACTOR * q.second_ratio
 
 
-def precision(judgement, result: Result, reference: Trace, pairs, bounds, fingerprint: bool | None = None) -> None:
+def precision(quantities, claimed: str, result: Result, reference: Trace, pairs, bounds,
+              fingerprint: bool | None = None) -> list[Finding]:
     """Name a coarser format for excesses a format explains (its level + its bound), then look for a fingerprint
     inside the bound.
 
     A single element far above all others (`_is_isolated`) is no witness of a format — a precision mode acts on
     every element — but once the output shows a format, it is excused when that format's bound holds it (a
     ReLU the format flipped moves one channel's sum alone)."""
-    quantities = judgement.quantities
+    findings = []
     beyond = [n for n, q in quantities.items() if q.verdict == "defect" and math.isfinite(q.bound_ratio)]
     isolated = [n for n in beyond if _is_isolated(quantities[n])]
     for name in isolated:
-        quantities[name].evidence = (f"a single element of {quantities[name].size} is beyond the bound "
-                                     f"(error ÷ bound {quantities[name].bound_ratio:.3g}), a format step above all "
-                                     "others: a precision mode acts on every element")
+        q = quantities[name]
+        findings.append(Finding("isolated", name, evidence=f"a single element of {q.size} is beyond the bound "
+                                f"(error ÷ bound {q.bound_ratio:.3g}), a format step above all others: a precision "
+                                "mode acts on every element", numbers={"ratio": q.bound_ratio,
+                                                                       "second_ratio": q.second_ratio}))
     broad = [n for n in beyond if n not in isolated]
-    if broad and fallbacks(judgement.claimed_precision):
+    named = {}
+    if broad and fallbacks(claimed):
         if "output" in quantities and quantities["output"].verdict == "roundoff":
-            judgement.notes.append("the forward output is within the claimed bound: no coarser format acts here")
+            findings.append(Finding("note", evidence="the forward output is within the claimed bound: no coarser "
+                                                     "format acts here"))
         else:
-            fmt, level_text, judgement.format_levels = name_format(pairs, reference, judgement.claimed_precision, broad)
-            judgement.notes.append(level_text)
+            fmt, level_text, levels = name_format(pairs, reference, claimed, broad)
+            findings.append(Finding("format-levels", name=fmt, evidence=level_text, numbers={"levels": levels}))
             if fmt is not None:
                 fmt_bounds = errmodel.error_bounds(reference, fmt)
                 output_shows = "output" in quantities and "output" in broad
                 for name in broad + (isolated if output_shows else []):
                     got, ref = pairs[name]
                     ratio = float(np.max(np.abs(got - ref) / fmt_bounds[name].bound))
-                    q = quantities[name]
                     if ratio <= 1.0:
-                        q.verdict, q.format, q.format_bound_ratio = "reduced-precision", fmt, ratio
-                        q.evidence = f"within the {fmt} bound (error ÷ bound {ratio:.3g})"
+                        named[name] = fmt
+                        findings.append(Finding("format-level", name, "reduced-precision", fmt,
+                                                f"within the {fmt} bound (error ÷ bound {ratio:.3g})",
+                                                {"format_bound_ratio": ratio}))
                     else:
-                        q.evidence = f"beyond even the {fmt} bound (error ÷ bound {ratio:.3g})"
-    if fallbacks(judgement.claimed_precision) and _recompute_allowed(reference, fingerprint):
-        _fingerprint(judgement, pairs, reference)
-    elif fallbacks(judgement.claimed_precision):
-        judgement.notes.append(f"precision fingerprint not computed at {reference.problem.size_text}, batch "
-                                  f"{reference.problem.batch} on {reference.device.type} (the probes carry it)")
+                        findings.append(Finding("beyond-format", name, name=fmt,
+                                                evidence=f"beyond even the {fmt} bound (error ÷ bound {ratio:.3g})",
+                                                numbers={"format_bound_ratio": ratio}))
+    if fallbacks(claimed) and _recompute_allowed(reference, fingerprint):
+        open_quantities = {n: q for n, q in quantities.items() if n not in named}
+        findings += _fingerprint(open_quantities, claimed, pairs, reference)
+    elif fallbacks(claimed):
+        findings.append(Finding("note", evidence=f"precision fingerprint not computed at "
+                                f"{reference.problem.size_text}, batch {reference.problem.batch} on "
+                                f"{reference.device.type} (the probes carry it)"))
+    return findings
 
 
 def _correlation(a: np.ndarray, b: np.ndarray) -> float:
@@ -332,17 +352,18 @@ def _combine_micro_batches(parts: list[Result], problem) -> Result:
     return Result(loss, grads, np.concatenate([p.output for p in parts]), "float32", {"conv": "micro-batched"})
 
 
-def _fingerprint(judgement, pairs, reference: Trace) -> None:
-    """Correlate the candidate's error with emulated coarser formats per quantity and pass, against the null."""
+def _fingerprint(quantities, claimed: str, pairs, reference: Trace) -> list[Finding]:
+    """Correlate the candidate's error with emulated coarser formats per quantity and pass, against the null.
+    `quantities`: those no format's level has named yet."""
     members = dict(_null_members(reference))
-    if judgement.claimed_precision in formats.REDUCED_FORMATS:
+    if claimed in formats.REDUCED_FORMATS:
         # a reduced-format claim: its own emulation is a legitimate order too, and shares what that format does
         # with a coarser one (a ReLU both flip; measured: tf32-claimed read as bf16 at r = 0.961, 33×47, seed 36)
-        members[f"{judgement.claimed_precision}-emulated"] = emulate(reference, judgement.claimed_precision)
+        members[f"{claimed}-emulated"] = emulate(reference, claimed)
     nulls = {name: quantity_arrays(member, reference) for name, member in members.items()}
     plain = quantity_arrays(emulate(reference, "float32"), reference)
-    named = {}
-    for fmt in [f for f in fallbacks(judgement.claimed_precision) if f in ("tf32", "bfloat16")]:
+    named, table = {}, []
+    for fmt in [f for f in fallbacks(claimed) if f in ("tf32", "bfloat16")]:
         for passes in PASSES:
             emulated = quantity_arrays(emulate(reference, fmt, passes), reference)
             for name, (got, ref) in pairs.items():
@@ -359,45 +380,50 @@ def _fingerprint(judgement, pairs, reference: Trace) -> None:
                 at_level = level > 0 and abs(math.log(level)) <= math.log(FORMAT_MATCH_FACTOR)
                 row = {"format": fmt, "pass": passes, "quantity": name, "correlation": r, "null": null,
                        "threshold": threshold, "level": level, "conclusive": r >= threshold and at_level}
-                judgement.fingerprint.append(row)
+                table.append(row)
                 if row["conclusive"] and (name not in named or r > named[name]["correlation"]):
                     named[name] = row
+    findings = [Finding("fingerprint-table", numbers={"rows": table})]
     for name, row in named.items():
-        q = judgement.quantities[name]
-        if q.verdict in ("roundoff", "defect") and not q.layout_fix:
+        q = quantities.get(name)
+        if q is not None and q.verdict in ("roundoff", "defect") and not q.layout_fix:
             inside = q.verdict == "roundoff"
-            q.verdict, q.format = "reduced-precision", row["format"]
-            where = f"inside the {judgement.claimed_precision} bound (error ÷ bound {q.bound_ratio:.3g})" if inside \
+            where = f"inside the {claimed} bound (error ÷ bound {q.bound_ratio:.3g})" if inside \
                 else f"error ÷ bound {q.bound_ratio:.3g}"
-            q.evidence = (f"{where}, but the error correlates r = {row['correlation']:.3f} with emulated {row['format']} "
-                          f"({row['pass'].replace('_', '-')} pass) at {row['level']:.3g}× its error level; legitimate "
-                          f"float32 orders reach {row['null']:.3f}")
-    _excuse_by_named_format(judgement, pairs, reference, named)
+            findings.append(Finding("fingerprint", name, "reduced-precision", row["format"],
+                                    f"{where}, but the error correlates r = {row['correlation']:.3f} with emulated "
+                                    f"{row['format']} ({row['pass'].replace('_', '-')} pass) at {row['level']:.3g}× its "
+                                    f"error level; legitimate float32 orders reach {row['null']:.3f}", dict(row)))
+    named = {name: row for name, row in named.items()
+             if any(f.quantity == name and f.doctor == "fingerprint" for f in findings)}
+    return findings + _excuse_by_named_format(quantities, pairs, reference, named)
 
 
-def _excuse_by_named_format(judgement, pairs, reference: Trace, named: dict) -> None:
+def _excuse_by_named_format(quantities, pairs, reference: Trace, named: dict) -> list[Finding]:
     """Once the fingerprint names one format on some quantities, a quantity beyond the claimed bound that is too
     small to carry a fingerprint of its own (a 1×1 head's 24 weights) is `reduced-precision` when that format's
     bound holds it: a precision mode acts on every element of its pass, as `precision` excuses what the output's
     format holds. Two formats named leave it a defect (which one would excuse it is not known), and so does a
     format named in a pass that includes the forward while the output is within the claimed bound (a coarser
     forward would show there)."""
-    rows = {name: row for name, row in named.items() if judgement.quantities[name].verdict == "reduced-precision"}
-    shown = {row["format"] for row in rows.values()}
-    output = judgement.quantities.get("output")
+    shown = {row["format"] for row in named.values()}
+    output = quantities.get("output")
     forward_clean = output is not None and output.verdict == "roundoff"
-    if len(shown) != 1 or (forward_clean and any(row["pass"] in ("all", "forward") for row in rows.values())):
-        return
-    fmt, witnesses = shown.pop(), ", ".join(rows)
-    for name, q in judgement.quantities.items():
-        if q.verdict != "defect" or q.layout_fix or not math.isfinite(q.bound_ratio) or name not in pairs:
+    if len(shown) != 1 or (forward_clean and any(row["pass"] in ("all", "forward") for row in named.values())):
+        return []
+    fmt, witnesses = shown.pop(), ", ".join(named)
+    findings = []
+    for name, q in quantities.items():
+        if q.verdict != "defect" or q.layout_fix or not math.isfinite(q.bound_ratio) or name not in pairs or name in named:
             continue
         got, ref = pairs[name]
         ratio = float(np.max(np.abs(got - ref) / errmodel.error_bounds(reference, fmt)[name].bound))  # cached per trace
         if ratio <= 1.0:
-            q.verdict, q.format, q.format_bound_ratio = "reduced-precision", fmt, ratio
-            q.evidence = (f"error ÷ bound {q.bound_ratio:.3g}, within the {fmt} bound (error ÷ bound {ratio:.3g}) of "
-                          f"the format the fingerprint names on {witnesses}")
+            findings.append(Finding("format-excuse", name, "reduced-precision", fmt,
+                                    f"error ÷ bound {q.bound_ratio:.3g}, within the {fmt} bound (error ÷ bound "
+                                    f"{ratio:.3g}) of the format the fingerprint names on {witnesses}",
+                                    {"format_bound_ratio": ratio}))
+    return findings
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,14 +453,14 @@ def _fit_ratio(got, expected, bound, abs_sum=None, reference=None) -> float:
     return float(np.max(np.abs(got - expected) / (bound + slack)))
 
 
-def defects(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
+def defects(quantities, result: Result, reference: Trace, pairs, bounds) -> list[Finding]:
     """Test named hypotheses against every quantity still a defect; name the one that fits."""
-    failing = [n for n, q in judgement.quantities.items() if q.verdict == "defect" and math.isfinite(q.bound_ratio)]
+    failing = [n for n, q in quantities.items() if q.verdict == "defect" and math.isfinite(q.bound_ratio)]
     if not failing:
-        return
-    tested = []
-    for hypothesis, expected, covers, local, *own in _hypotheses(reference, pairs, failing,
-                                                                   _recompute_allowed(reference, None)):
+        return []
+    tested, findings, fitted = [], [], {}
+    for order, (hypothesis, expected, covers, local, *own) in enumerate(
+            _hypotheses(reference, pairs, failing, _recompute_allowed(reference, None))):
         reorders = own[0] if own else {}  # a hypothesis that reorders elements reads their bounds reordered
         fits = {}
         for name in covers:
@@ -450,65 +476,69 @@ def defects(judgement, result: Result, reference: Trace, pairs, bounds) -> None:
         tested.append({"hypothesis": str(hypothesis), "explains": explained,
                        "best_ratio": min(fits.values()), "quantities": len(fits)})
         for name in explained:
-            q = judgement.quantities[name]
-            if q.cause is None:
-                q.cause = str(hypothesis)
-                q.cause_slip = getattr(hypothesis, "slip", q.cause)
-                q.cause_layers = (hypothesis.layer,) if isinstance(hypothesis, Slip) else ()
-                q.evidence = (q.evidence + "; " if q.evidence else "") + (
-                    f"fits '{hypothesis}' (error ÷ bound {fits[name]:.3g} against it)")
-    judgement.hypotheses = tested
-    unexplained = [n for n in failing if judgement.quantities[n].cause is None]
-    defective = [n for n, q in judgement.quantities.items() if q.verdict == "defect"]
+            layers = (hypothesis.layer,) if isinstance(hypothesis, Slip) else ()
+            findings.append(Finding("hypothesis", name, name=str(hypothesis),
+                                    evidence=f"fits '{hypothesis}' (error ÷ bound {fits[name]:.3g} against it)",
+                                    numbers={"ratio": fits[name], "order": order, "layers": layers,
+                                             "slip": getattr(hypothesis, "slip", str(hypothesis))}))
+            fitted.setdefault(name, findings[-1])
+    findings.append(Finding("hypotheses", numbers={"tested": tested}))
+    # the cause of the whole problem: what every defect quantity's first fitting hypothesis says, read from the
+    # findings above and the zero-gradient doctor's (a quantity's own cause), never from words
+    defective = [n for n, q in quantities.items() if q.verdict == "defect"]
+    own = {n: quantities[n].cause for n in defective if quantities[n].cause}
+    causes = [own.get(n) or (fitted[n].name if n in fitted else None) for n in defective]
+    unexplained = [n for n in failing if n not in fitted and n not in own]
     if tested:
         best = max(tested, key=lambda t: (len(t["explains"]), -t["best_ratio"]))
-        causes = {judgement.quantities[n].cause for n in defective}
-        shared = _one_slip_in_every_layer([judgement.quantities[n] for n in defective])
-        if len(causes) == 1 and None not in causes:
-            judgement.cause = causes.pop()  # one cause (first fitted, or the zero-gradient doctor's) for every defect
+        shared = _one_slip_in_every_layer([(fitted[n].numbers["layers"], fitted[n].numbers["slip"]) if n in fitted
+                                           else (None, own.get(n)) for n in defective])
+        if len(set(causes)) == 1 and None not in causes:
+            findings.append(Finding("cause", name=causes[0]))  # one cause (first fitted, or zero gradients) for all
         elif shared:
-            judgement.cause = shared
+            findings.append(Finding("cause", name=shared))
         elif best["explains"] and set(defective) <= set(best["explains"]):
-            judgement.cause = best["hypothesis"]
-            judgement.notes.append(f"defect doctor: '{best['hypothesis']}' fits {', '.join(best['explains'])}")
+            findings.append(Finding("cause", name=best["hypothesis"],
+                                    evidence=f"defect doctor: '{best['hypothesis']}' fits {', '.join(best['explains'])}"))
         elif best["explains"]:
             # one tensor of several is no cause: name it as a partial fit only
-            judgement.notes.append(f"defect doctor: cause unknown; '{best['hypothesis']}' fits only "
-                                      f"{', '.join(best['explains'])} of {', '.join(defective)}")
+            findings.append(Finding("note", evidence=f"defect doctor: cause unknown; '{best['hypothesis']}' fits "
+                                                     f"only {', '.join(best['explains'])} of {', '.join(defective)}"))
     if unexplained:
-        judgement.notes.append(f"defect doctor: no named hypothesis fits {', '.join(unexplained)} "
-                                  f"({len(tested)} tested)")
+        findings.append(Finding("note", evidence=f"defect doctor: no named hypothesis fits {', '.join(unexplained)} "
+                                                 f"({len(tested)} tested)"))
+    return findings
 
 
-def _one_slip_in_every_layer(quantities) -> str | None:
-    """'conv1, conv2: <slip>' when the failing quantities (in network order) fit the same layer-local slip in several
-    layers: one cause, the same mistake made wherever that code runs."""
-    if any(q.cause is None or not q.cause_layers for q in quantities) or len({q.cause_slip for q in quantities}) != 1:
+def _one_slip_in_every_layer(fits) -> str | None:
+    """'conv1, conv2: <slip>' when the failing quantities' fits (layers, slip), in network order, are the same
+    layer-local slip in several layers: one cause, the same mistake made wherever that code runs."""
+    if any(not layers or slip is None for layers, slip in fits) or len({slip for _, slip in fits}) != 1:
         return None
-    layers = list(dict.fromkeys(layer for q in quantities for layer in q.cause_layers))
-    return f"{', '.join(layers)}: {quantities[0].cause_slip}" if len(layers) > 1 else None
+    named = list(dict.fromkeys(layer for layers, _ in fits for layer in layers))
+    return f"{', '.join(named)}: {fits[0][1]}" if len(named) > 1 else None
 
 
-def zero_gradients(judgement, pairs) -> None:
+def zero_gradients(quantities, pairs) -> list[Finding]:
     """A parameter gradient that is exactly zero in every element where the reference has non-zero ones.
 
     Rounding makes an exact zero only by an exact cancellation; every element of a tensor at once is a
     gradient never computed (a layer off the tape, frozen, or its buffer never written), whatever the bound."""
     layers = {}
-    for name, q in judgement.quantities.items():
+    for name in quantities:
         if name in ("loss", "output") or name not in pairs:
             continue
         got, ref = pairs[name]
         if ref.size >= 2 and np.count_nonzero(ref) >= 2 and not np.any(got):
             layers.setdefault(name.rsplit(".", 1)[0], []).append(name)
+    findings = []
     for layer, names in layers.items():
         cause = (f"{layer} received no gradient ({', '.join(names)} all zero): is it on the tape / marked "
                  f"trainable?")
-        for name in names:
-            q = judgement.quantities[name]
-            q.verdict, q.cause = "defect", cause
-            q.evidence = ((q.evidence + "; " if q.evidence else "")
-                          + "every element exactly zero, the reference's are not")
+        findings += [Finding("zero-gradient", name, "defect", cause, "every element exactly zero, the reference's "
+                             "are not", {"nonzero_in_reference": int(np.count_nonzero(pairs[name][1]))})
+                     for name in names]
+    return findings
 
 
 def _hypotheses(reference: Trace, pairs, failing: list[str], recompute: bool):
@@ -912,30 +942,24 @@ class _BorrowedMaskReLU(_UnmaskedReLU):
 # localisation
 
 
-def localise(judgement, result: Result, reference: Trace, bounds) -> None:
+def localise(quantities, result: Result, reference: Trace, claimed: str) -> list[Finding]:
     """Name where a failure starts: the first op whose local check fails (with intermediates), else the
     earliest failing quantity in backprop order."""
-    if judgement_failing(judgement) and result.intermediates:
-        found = _first_failing_op(result, reference, judgement.claimed_precision)
+    if not any(q.verdict != "roundoff" for q in quantities.values()):
+        return []
+    if result.intermediates:
+        found = _first_failing_op(result, reference, claimed)
         if found:
-            judgement.localisation = found
-            if judgement.cause is None and any(q.verdict == "defect" for q in judgement.quantities.values()):
-                judgement.cause = found
-            return
-    if not judgement_failing(judgement):
-        return
+            return [Finding("localisation", name=found, numbers={"by": "intermediates"})]
     network = reference.network
     order = ["loss", "output"] + [f"{layer.name}.{suffix}" for layer in reversed(network.parametrised_layers)
                                   for suffix in ("weight", "bias") if f"{layer.name}.{suffix}" in network.param_shapes]
     for name in order:
-        q = judgement.quantities.get(name)
+        q = quantities.get(name)
         if q is not None and q.verdict != "roundoff":
-            judgement.localisation = f"first failing quantity in backprop order: {name}"
-            return
-
-
-def judgement_failing(judgement) -> bool:
-    return any(q.verdict != "roundoff" for q in judgement.quantities.values())
+            return [Finding("localisation", name=f"first failing quantity in backprop order: {name}",
+                            numbers={"by": "backprop order", "quantity": name})]
+    return []
 
 
 def _first_failing_op(result: Result, reference: Trace, claimed: str) -> str | None:

@@ -275,6 +275,15 @@ def _candidates(value: Any, where: str) -> None:
             raise LabInputError(f"{where}[{i}]: {exc}") from None
 
 
+def _probes(value: Any, where: str) -> None:
+    from . import probes
+
+    try:
+        probes.select(value)
+    except LabInputError as exc:
+        raise LabInputError(f"{where}: {str(exc).removeprefix('--probes: ')}") from None
+
+
 def _model(value: Any, where: str) -> None:
     from .model import ModelSpecError
     from .paths import ROOT
@@ -334,7 +343,7 @@ _MEANING = {"size": ("integer", _positive_size), "sizes": ("integers", _sizes),
             "seed": ("integer", _non_negative), "lr": ("number", _positive), "adam_lr": ("number", _positive),
             "device": ("string", _device), "candidates": ("strings", _candidates), "image": ("string", _image),
             "trajectory_size": ("integer", _positive_size), "model": ("string", _model),
-            "opaque_candidates": ("strings", _candidates)}
+            "opaque_candidates": ("strings", _candidates), "probes": ("string", _probes)}
 
 
 def from_papermill(**values):

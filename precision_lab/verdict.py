@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import doctors, errmodel, formats
+from . import doctors, errmodel, findings, formats
 from .compare import CERTIFIABLE_FRACTION, QuantityVerdict, compare, quantity_arrays  # noqa: F401 - re-exported
 from .compute import Result, Trace
 
@@ -63,6 +63,9 @@ class Judgement:
     hypotheses: list[dict] = field(default_factory=list)  # the defect doctor's tests
     problem: dict = field(default_factory=dict)  # size, batch, seed, source, network
     format_levels: list[dict] = field(default_factory=list)  # each coarser format's error level and pattern
+    transforms: dict = field(default_factory=dict)  # each transform named → its steps (('layout', 'IOHW'), ('flip', 'HW'))
+    layout_fixes: list = field(default_factory=list)  # (quantity or None for all, transform): the fix, per quantity
+    probed: bool | None = None  # a decided judgement (decision.Diagnosis.judgement): whether probes were run
 
     @property
     def evidence(self) -> list[str]:
@@ -147,12 +150,39 @@ def judge(result: Result, reference: Trace, claimed_precision: str = "float32", 
                           model=_model_summary(reference, claimed_precision),
                           problem=reference.problem.describe() if reference.problem is not None else {})
     pairs = quantity_arrays(result, reference)
-    doctors.zero_gradients(judgement, pairs)
-    doctors.layouts(judgement, result, reference, pairs, bounds)
-    doctors.precision(judgement, result, reference, pairs, bounds, fingerprint)
+    # each doctor reads the verdicts the findings before it give (a view, never edited) and returns its own findings
+    found = doctors.zero_gradients(quantities, pairs)
+    found += doctors.layouts(findings.apply(quantities, found), result, reference, pairs, bounds)
+    found += doctors.precision(findings.apply(quantities, found), claimed_precision, result, reference, pairs, bounds,
+                               fingerprint)
     if hypotheses:
-        doctors.defects(judgement, result, reference, pairs, bounds)
-    doctors.localise(judgement, result, reference, bounds)
+        found += doctors.defects(findings.apply(quantities, found), result, reference, pairs, bounds)
+    found += doctors.localise(findings.apply(quantities, found), result, reference, claimed_precision)
+    return decide_problem(judgement, quantities, found)
+
+
+def decide_problem(judgement: Judgement, comparisons: dict, found: list) -> Judgement:
+    """One problem's judgement from its comparisons and every doctor's findings (precision_lab.findings.apply:
+    the order of the findings cannot change it)."""
+    judgement.quantities = findings.apply(comparisons, found)
+    for f in found:
+        if f.doctor == "layout":
+            judgement.layout_options[f.quantity] = list(f.numbers["options"])
+            judgement.transforms.update(f.numbers["parts"])
+    judgement.layout_advice = next((f.name for f in findings.about_problem(found, "layout-advice")), None)
+    levels = findings.about_problem(found, "format-levels")
+    judgement.format_levels = [row for f in levels for row in f.numbers["levels"]]
+    judgement.fingerprint = [row for f in findings.about_problem(found, "fingerprint-table") for row in f.numbers["rows"]]
+    judgement.hypotheses = [row for f in findings.about_problem(found, "hypotheses") for row in f.numbers["tested"]]
+    judgement.notes = [f.evidence for f in found if f.quantity is None and f.evidence
+                       and f.doctor in ("note", "format-levels", "cause")]
+    localisation = next((f for f in findings.about_problem(found, "localisation")), None)
+    judgement.localisation = localisation.name if localisation is not None else None
+    cause = next((f.name for f in findings.about_problem(found, "cause")), None)
+    if cause is None and localisation is not None and localisation.numbers.get("by") == "intermediates" \
+            and any(q.verdict == "defect" for q in judgement.quantities.values()):
+        cause = localisation.name  # the first op that fails its own check names the defect
+    judgement.cause = cause
     overall(judgement)
     return judgement
 
@@ -175,6 +205,7 @@ def overall(judgement: Judgement) -> None:
     if layout_qs:
         options = judgement.layout_options
         common = [fix for fix in options[layout_qs[0].quantity] if all(fix in options[q.quantity] for q in layout_qs)]
+        judgement.layout_fixes = [(None, common[0])] if common else [(q.quantity, q.layout_fix) for q in layout_qs]
         judgement.layout_fix = common[0] if common else "; ".join(f"{q.quantity}: {q.layout_fix}" for q in layout_qs)
     formats_named = sorted({q.format for q in judgement.quantities.values() if q.format},
                            key=doctors.FALLBACK_FORMATS.index)

@@ -388,16 +388,10 @@ def test_the_same_slip_in_every_layer_is_one_cause(candidate, slip):
 
 
 def test_different_slips_in_different_layers_are_not_one_cause():
-    from types import SimpleNamespace
-
     from precision_lab.doctors import Slip, _one_slip_in_every_layer
 
-    def fitted(cause):  # a failing quantity as the defect doctor leaves it: the slip's parts kept, never re-read
-        return SimpleNamespace(cause=None if cause is None else str(cause), cause_slip=getattr(cause, "slip", cause),
-                               cause_layers=(cause.layer,) if isinstance(cause, Slip) else ())
-
-    def one(*causes):
-        return _one_slip_in_every_layer([fitted(c) for c in causes])
+    def one(*causes):  # each failing quantity's fit as the defect doctor records it: (layers, slip), never re-read
+        return _one_slip_in_every_layer([((c.layer,), c.slip) if isinstance(c, Slip) else ((), c) for c in causes])
 
     assert one(Slip("enc1", "a"), Slip("enc1", "a"), Slip("down", "a")) == "enc1, down: a"
     assert one(Slip("conv1", "a"), Slip("conv2", "b")) is None
@@ -405,3 +399,33 @@ def test_different_slips_in_different_layers_are_not_one_cause():
     # a cause with a colon that is no layer-local slip is not split on it
     assert one("every ReLU's backward: mask missing", Slip("conv2", "mask missing")) is None
     assert one("conv1: a", "conv2: a") is None
+
+
+def test_the_order_of_the_doctors_findings_does_not_change_a_judgement(small_problem, small_reference):
+    """A problem's verdict is made from the comparisons and the findings by precedence, not by who spoke last."""
+    import random
+
+    from precision_lab import doctors, errmodel, findings
+    from precision_lab.candidates import resolve
+    from precision_lab.compare import compare, quantity_arrays
+
+    for name in ("fortran-replay-flip", "first-column-skipped", "tf32-emulated", "skip-no-gradient", "native"):
+        candidate = resolve(name)
+        if not candidate.applies_to(small_problem.network):
+            continue
+        result = candidate.compute(small_problem, "float32", "cpu")
+        judged = judge(result, small_reference, candidate.claimed_precision, name)
+        bounds = errmodel.error_bounds(small_reference, candidate.claimed_precision)
+        comparisons = compare(result, small_reference, bounds, "float32")
+        pairs = quantity_arrays(result, small_reference)
+        found = doctors.zero_gradients(comparisons, pairs)
+        found += doctors.layouts(findings.apply(comparisons, found), result, small_reference, pairs, bounds)
+        found += doctors.precision(findings.apply(comparisons, found), "float32", result, small_reference, pairs, bounds)
+        found += doctors.defects(findings.apply(comparisons, found), result, small_reference, pairs, bounds)
+        expected = {n: (q.verdict, q.layout_fix, q.format, q.cause) for n, q in judged.quantities.items()}
+        for seed in range(3):
+            shuffled = list(found)
+            random.Random(seed).shuffle(shuffled)
+            got = findings.apply(comparisons, shuffled)
+            assert {n: (q.verdict, q.layout_fix, q.format, q.cause) for n, q in got.items()} == expected, name
+        assert all(comparisons[n].layout_fix is None and comparisons[n].cause is None for n in comparisons)  # unedited

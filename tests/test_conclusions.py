@@ -83,7 +83,8 @@ def test_a_defect_names_each_quantity_and_how_far_beyond_the_bound(judged):
 
 
 def test_per_quantity_layout_fixes_give_one_instruction_each():
-    action = conclusions.layout_action("conv1.weight: flip H; conv2.weight: layout OIWH")
+    action = conclusions.layout_action([("conv1.weight", "flip H"), ("conv2.weight", "layout OIWH")],
+                                       {"flip H": (("flip", "H"),), "layout OIWH": (("layout", "OIWH"),)})
     assert action.startswith("Conv1.weight: the gradient matches once flipped in H")
     assert "conv2.weight: the gradient matches once read as OIWH" in action
     assert "transpose it from OIWH" in action
@@ -110,7 +111,8 @@ def test_optimizer_step_conclusion_quotes_the_masking_and_the_envelope(small_pro
     assert "leave the envelope" in flip.finding and flip.verdict == "layout"
     native = next(f for f in c.findings if f.candidate == "native")
     assert "stay inside the envelope" in native.finding
-    assert c.notes == ["Not run here: native-tf32: needs cuda, this run is on cpu."]
+    assert c.notes[0] == "Not run here: native-tf32: needs cuda, this run is on cpu."
+    assert c.notes[1].startswith("Unprobed: native, fortran-replay-flip")  # decided with probes="none" here
     frame = c.to_frame()
     assert list(frame.columns[:3]) == ["candidate", "experiment", "verdict"]
     assert (frame.set_index("candidate").verdict == summary.set_index("candidate").verdict).all()
@@ -256,3 +258,17 @@ def test_algorithm_flagged_only_outside_its_gradients_says_so():
     assert "within the float32 bound at every size" in finding.finding
     assert "finds it reduced-precision on the requested problem" in finding.finding
     assert "Beyond the float32 bound in 0" not in finding.finding
+
+
+def test_an_unprobed_run_says_so_in_its_conclusion(small_problem):
+    chosen = [get_builtin("native")]
+    _, judgements = optimizer_step.single_step(small_problem, chosen, CPU)
+    for probes, said in (("none", True), ("default", False)):
+        decisions = decide_all(small_problem, chosen, CPU, judgements, probes=probes)
+        table, decided, _ = float64_recompilation.recompilation_table(small_problem, chosen, CPU, probes=probes)
+        c = conclusions.float64_recompilation(float64_recompilation.summarise(table, decided), table,
+                                              decided_judgements(decided))
+        assert any(note.startswith("Unprobed: native") for note in c.notes) == said
+        summary = float64_recompilation.summarise(table, decided).set_index("candidate")
+        assert summary.loc["native", "probes"] == ("unprobed" if said else "3 probes")
+        assert decisions["native"].probed is not said

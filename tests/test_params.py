@@ -200,3 +200,13 @@ def test_a_notebook_takes_a_list_from_papermill_p(tmp_path):
                                kernel_name="precision-lab", progress_bar=False, log_output=False)
     summary = (tmp_path / "02-float64-recompilation" / "summary.csv").read_text()
     assert "fortran-replay-flip" in summary and "native" in summary
+
+
+def test_the_notebooks_take_a_probes_parameter_and_refuse_an_unknown_probe():
+    real = {nb.stem: params.notebook_parameters(nb) for nb in sorted(NOTEBOOKS_DIR.glob("0[1-5]-*.ipynb"))}
+    assert all(declared["probes"].default == "default" for declared in real.values())
+    check({"probes": "none"}, real)
+    check({"probes": "odd-61x67,seed1-random-targets"}, real)
+    with pytest.raises(LabInputError, match=r"-p probes: unknown probe 'sometimes'") as caught:
+        check({"probes": "sometimes"}, real)
+    assert "\n" not in str(caught.value)
