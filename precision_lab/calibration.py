@@ -14,6 +14,7 @@ from .candidates import registry
 from .compare import quantity_arrays
 from .problem import Problem
 from .reference import reference as make_reference
+from .decision import decide
 from .verdict import VERDICTS, judge
 
 
@@ -33,8 +34,9 @@ def judge_zoo(problem: Problem, device: str | torch.device = "cpu", names: list[
         if (candidate.expected is None or not candidate.supports(device) or not candidate.applies_to(problem.network)
                 or (names and candidate.name not in names)):
             continue
-        judgement = judge(candidate.compute(problem, "float32", device), trace, candidate.claimed_precision,
-                          candidate.name, **judge_options)
+        # one problem, no probes: the decision of that problem alone (a probe's false alarms are counted one by one)
+        judgement = decide(judge(candidate.compute(problem, "float32", device), trace, candidate.claimed_precision,
+                                 candidate.name, **judge_options), probed=False).judgement()
         detail = judgement.layout_fix or judgement.format
         correct = judgement.verdict == candidate.expected and candidate.expected_detail in (None, detail)
         rows.append({"candidate": candidate.name, "family": candidate.family, "expected": candidate.expected,

@@ -579,8 +579,9 @@ def verdict_matrix(summaries, notebooks: list[dict], data_dir: Path) -> dict:
         candidates += [candidate] if candidate not in candidates else []
         experiments += [experiment] if experiment not in experiments else []
         verdict = _text(row.get("verdict"))
+        unprobed = row.get("probes") == "unprobed"  # said beside the verdict: it rests on the requested problem alone
         cells.setdefault((candidate, experiment), []).append(
-            {"verdict": verdict, "headline": _text(row.get("headline")),
+            {"verdict": verdict, "headline": ("unprobed: " if unprobed else "") + _text(row.get("headline")),
              "verdict_class": re.sub(r"[^a-z0-9-]", "", verdict.lower()) or "none"})
     missing = [nb for nb in notebooks if not (data_dir / nb["name"] / "summary.csv").is_file()]
     return {"candidates": candidates, "experiments": experiments, "cells": cells, "missing": missing}
