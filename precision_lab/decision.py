@@ -127,6 +127,8 @@ def decide(requested: Judgement, probes=(), *, float64_build: Float64Build | Non
         main.cause = None  # re-derived by overall: the new defects may not share the doctors' cause
     settle(main, judged, float64_build)
     overall(main)
+    if found and main.cause in {cause for _, cause, _ in found}:
+        main.cause_by = "evidence"
     for _, judgement in judged:
         overall(judgement)
     return Diagnosis(main, judged, spread, probe_note, float64_build, probed, scaling)
@@ -264,7 +266,9 @@ class Diagnosis:
     def _chosen(self) -> Judgement:
         same = [j for _, j in self.problems() if j.verdict == self.verdict]
         named = [j for j in same if j.layout_fix or j.format or j.cause]
-        return (named or same)[0]
+        # a cause a doctor named (a fitted slip, a gradient never computed) says more than "persists in float64"
+        by_doctor = [j for j in named if j.cause and getattr(j, "cause_by", None) == "doctor"]
+        return (by_doctor or named or same)[0]
 
     def decided_by(self) -> str:
         chosen = self._chosen()

@@ -66,6 +66,7 @@ class Judgement:
     transforms: dict = field(default_factory=dict)  # each transform named → its steps (('layout', 'IOHW'), ('flip', 'HW'))
     layout_fixes: list = field(default_factory=list)  # (quantity or None for all, transform): the fix, per quantity
     probed: bool | None = None  # a decided judgement (decision.Diagnosis.judgement): whether probes were run
+    cause_by: str | None = None  # who named the cause: "doctor", "localisation" or "evidence" (decision.not_rounding)
 
     @property
     def evidence(self) -> list[str]:
@@ -179,9 +180,10 @@ def decide_problem(judgement: Judgement, comparisons: dict, found: list) -> Judg
     localisation = next((f for f in findings.about_problem(found, "localisation")), None)
     judgement.localisation = localisation.name if localisation is not None else None
     cause = next((f.name for f in findings.about_problem(found, "cause")), None)
+    judgement.cause_by = "doctor" if cause is not None else None
     if cause is None and localisation is not None and localisation.numbers.get("by") == "intermediates" \
             and any(q.verdict == "defect" for q in judgement.quantities.values()):
-        cause = localisation.name  # the first op that fails its own check names the defect
+        cause, judgement.cause_by = localisation.name, "localisation"  # the first op that fails its own check
     judgement.cause = cause
     overall(judgement)
     return judgement
@@ -215,6 +217,7 @@ def overall(judgement: Judgement) -> None:
         # a cause is named only when it explains every defect quantity, not one tensor of several
         causes = {q.cause for q in judgement.quantities.values() if q.verdict == "defect"}
         judgement.cause = causes.pop() if len(causes) == 1 else None
+        judgement.cause_by = "doctor" if judgement.cause is not None else None
 
 
 def dumps(judgement: Judgement) -> str:

@@ -115,3 +115,17 @@ def test_the_motivating_replays_are_decided_as_diagnose_decides_them():
     for name, decision in decisions.items():
         expected = diagnose(registry()[name], problem, "cpu")
         assert (decision.verdict, decision.summary().named) == (expected.verdict, expected.summary().named)
+
+
+@pytest.mark.slow
+def test_a_fitted_slip_names_the_verdict_before_the_float64_builds_persisting_error():
+    """Notebook 02 at 256²: the first-column slip hides under the requested problem's bound, its error persists in
+    the float64 build (a defect there), and the probes' defect doctor fits the slip: the slip is what is named."""
+    problem = make_problem(256, 2, 0)
+    _, decisions, _ = float64_recompilation.recompilation_table(problem, [registry()["first-column-skipped"]], CPU)
+    decision = decisions["first-column-skipped"]
+    assert decision.verdict == "defect"
+    assert decision.main.cause_by == "evidence" and "persists in the float64 build" in decision.main.cause
+    summary = decision.summary()
+    assert summary.named == "conv1: the first image column of its upstream gradient skipped", summary.to_text()
+    assert summary.decided_by.startswith("probe ")
