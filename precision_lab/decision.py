@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 #: the cosine every certified quantity has (‖error‖ ≤ CERTIFIABLE_FRACTION·‖reference‖ gives cos ≥ √(1 − ¼));
 #: a quantity settled elsewhere must show it on its own problem too
 CERTIFIED_COSINE = math.sqrt(1.0 - CERTIFIABLE_FRACTION ** 2)
+#: the kind of a sweep's other size judged beside the requested problem (probes.ProbeRun.of_size)
+SWEEP_SIZE = "sweep-size"
 #: how a settled quantity's evidence begins (its `settled_by` says by what)
 SETTLED = "not certifiable by its bound on this problem; "
 
@@ -122,7 +124,8 @@ def decide(requested: Judgement, probes=(), *, float64_build: Float64Build | Non
     found = not_rounding(main, float64_build, spread, scaling)
     for name, cause, evidence in found:
         q = main.quantities[name]
-        q.verdict, q.cause, q.cause_layers, q.evidence = "defect", cause, (), evidence
+        q.verdict, q.cause, q.cause_slip, q.cause_layers, q.evidence = "defect", cause, cause, (), evidence
+        q.layout_fix, q.format, q.format_bound_ratio = None, None, None  # what named it before no longer does
     if found:
         main.cause = None  # re-derived by overall: the new defects may not share the doctors' cause
     settle(main, judged, float64_build)
@@ -195,7 +198,9 @@ def settle(main: Judgement, probes: list, float64_build: Float64Build | None = N
             elif others and all(q.quantity in j.quantities and before[id(j)][q.quantity] == "roundoff"
                                 for _, j in others) and q.cosine >= CERTIFIED_COSINE:
                 q.verdict = "roundoff"
-                q.settled_by = "every probe" if judgement is main else "the requested problem and every other probe"
+                sizes = any(run.kind == SWEEP_SIZE for run, _ in probes)
+                q.settled_by = ("every probe" + (" and every other size" if sizes else "") if judgement is main
+                                else "the requested problem and every other probe" + (" and size" if sizes else ""))
                 q.settled_ratios = {name: j.quantities[q.quantity].bound_ratio for name, j in others}
                 q.evidence = (f"{SETTLED}certified on {q.settled_by} (error ÷ bound "
                               + ", ".join(f"{name} {r:.2g}" for name, r in q.settled_ratios.items())
@@ -287,14 +292,20 @@ class Diagnosis:
                     chosen = replace(other, problem=run.name)
             quantities[name] = chosen
         return replace(deciding, verdict=self.verdict, quantities=quantities, probed=self.probed,
-                       notes=list(deciding.notes) + self._notes())
+                       notes=list(deciding.notes) + self.notes())
 
-    def _notes(self) -> list[str]:
+    def notes(self) -> list[str]:
+        """What the decision read beside the problems' judgements, in words: the spread, the float64 build."""
         notes = []
         if self.spread is not None:
             notes.append(self.spread_text())
         if self.float64_build is not None:
-            notes.append(self.float64_text())
+            build = self.float64_build
+            ratios = ", ".join(f"{name} {row['ratio']:.2g}" for name, row in build.quantities.items())
+            notes.append(f"float64 build: {build.verdict or 'computed'} against the float64 reference; err64 ÷ err32 "
+                         f"{ratios} (rounding predicts {build.expected_ratio:.2g}, a defect ≈ 1; boundary "
+                         f"{build.threshold:.2g}): " + (f"persists in {', '.join(build.persists)}" if build.persists
+                                                        else "vanishes everywhere"))
         if not self.probed:
             notes.append("unprobed: judged on the requested problem alone (probes off); boundary and indexing slips "
                          "that hide under this problem's bound are not ruled out")
@@ -352,7 +363,7 @@ class Diagnosis:
                 "layout_fix": deciding.layout_fix, "layout_advice": deciding.layout_advice, "format": deciding.format,
                 "cause": deciding.cause, "localisation": deciding.localisation, "decided_by": self.decided_by(),
                 "probed": self.probed, "problem": main["problem"], "parameters": parameters,
-                "forward": main["forward"], "evidence": main["evidence"] + self._notes(), "main": main,
+                "forward": main["forward"], "evidence": main["evidence"] + self.notes(), "main": main,
                 "probes": probes, "probe_note": self.probe_note,
                 "float64_build": self.float64_build.to_json() if self.float64_build is not None else None,
                 "repeats": self.repeats}
@@ -386,7 +397,7 @@ class Diagnosis:
         if not verbose:
             return self.summary().to_text()
         lines = [self.main.to_text()]
-        lines += [f"  - {line}" for line in self._notes()]
+        lines += [f"  - {line}" for line in self.notes()]
         if self.probe_note:
             lines.append(f"probes: {self.probe_note}")
         for run, judgement in self.probes:

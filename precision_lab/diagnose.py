@@ -24,6 +24,7 @@ from .errors import LabInputError
 if TYPE_CHECKING:
     from .candidates import Candidate
     from .decision import Diagnosis, Float64Build, Spread
+    from .verdict import Judgement
     from .candidates.command import CommandProgram
     from .compute import Result, Trace
     from .problem import Problem
@@ -126,7 +127,8 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
     bar.update()
     spread = _repeats(candidate, problem, where, trace, result, repeats, bar) if repeats > 1 else None
     main = judge(result, trace, candidate.claimed_precision, candidate.name, fingerprint=fingerprint)
-    recompiled = _float64_build(candidate, problem, where, result, trace) if _has_float64_build(candidate) else None
+    recompiled = (float64_build_evidence(candidate, problem, where, result, trace)
+                  if has_float64_build(candidate, main) else None)
     del trace
     judged = judge_probes(candidate, problem, where, chosen, bar=bar)
     bar.close()
@@ -154,12 +156,19 @@ def judge_probes(candidate: Candidate, problem: Problem, where, probes, bar=None
     return judged
 
 
-def _has_float64_build(candidate: Candidate) -> bool:
-    """A program with `command_float64` whose claimed build is not already float64."""
-    return candidate.family == "command" and candidate.has_float64 and candidate.claimed_precision != "float64"
+def has_float64_build(candidate: Candidate, judgement: Judgement | None = None) -> bool:
+    """Whether the decision reads the candidate's float64 build: a program's `command_float64` always; a built-in's
+    (a float64 run of its own) where the requested problem has a quantity its bound cannot certify, which the
+    build can settle. Never for a build already claimed float64."""
+    if not candidate.has_float64 or candidate.claimed_precision == "float64" or candidate.family == "bundle":
+        return False
+    if candidate.family == "command":
+        return True
+    return judgement is not None and any(q.verdict == "inconclusive" for q in judgement.quantities.values())
 
 
-def _float64_build(candidate: Candidate, problem: Problem, where, result32: Result, trace: Trace) -> Float64Build:
+def float64_build_evidence(candidate: Candidate, problem: Problem, where, result32: Result,
+                           trace: Trace) -> Float64Build:
     """The float64 recompilation (experiment 02) on the requested problem, as evidence for the decision."""
     from .experiments.float64_recompilation import build_evidence
     from .verdict import judge

@@ -38,7 +38,7 @@ def diagnosis_page(diagnosis, problem=None, device_info: dict | None = None, tit
     context = tables.context_rows(device_info, problem) if device_info is not None else []
     context += [("claimed precision", judgement.claimed_precision),
                 ("written", dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))]
-    evidence = "".join(f"<li>{tables.escape(line)}</li>" for line in judgement.evidence)
+    evidence = "".join(f"<li>{tables.escape(line)}</li>" for line in judgement.evidence + diagnosis.notes())
     heading = title or f"precision-lab diagnosis: {summary.candidate}"
     evidence_heading = ("Evidence per quantity" if judgement is diagnosis.main
                         else f"Evidence per quantity, {summary.decided_by}")

@@ -123,7 +123,7 @@ class ProbeRun:
     @classmethod
     def of_size(cls, problem: Problem) -> "ProbeRun":
         """Another size of a sweep (notebooks 03 and 05), judged as a problem of its own."""
-        return cls("sweep-size", "another size of the sweep", problem.height, problem.width, problem.batch,
+        return cls("sweep-size", "another size of the sweep (not a probe: the experiment's own problem)", problem.height, problem.width, problem.batch,
                    problem.seed, problem.targets)
 
 

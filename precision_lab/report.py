@@ -579,7 +579,7 @@ def verdict_matrix(summaries, notebooks: list[dict], data_dir: Path) -> dict:
         candidates += [candidate] if candidate not in candidates else []
         experiments += [experiment] if experiment not in experiments else []
         verdict = _text(row.get("verdict"))
-        unprobed = row.get("probes") == "unprobed"  # said beside the verdict: it rests on the requested problem alone
+        unprobed = row.get("probed") is False or row.get("probed") == 0  # said beside it: no probes ran
         cells.setdefault((candidate, experiment), []).append(
             {"verdict": verdict, "headline": ("unprobed: " if unprobed else "") + _text(row.get("headline")),
              "verdict_class": re.sub(r"[^a-z0-9-]", "", verdict.lower()) or "none"})

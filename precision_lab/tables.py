@@ -103,7 +103,7 @@ COLUMNS: dict[str, Column] = {
     # probes (precision_lab.decision.Diagnosis.probe_rows)
     "probe": Column("probe (what ran)", "text"), "image": Column("image (H × W)", "text"), "seed": Column("seed", "count"), "targets": Column("targets", "text"),
     "named": Column("what names it", "text"), "worst_quantity": Column("worst quantity", "text"),
-    "probes": Column("probes", "text"),
+    "probes": Column("probes", "text"), "probed": Column("probed", "bool"),
     # 05 convolution algorithms
     "seconds": Column("forward + backward time (s)"), "time_vs_native": Column("time ÷ native", "factor"),
     "seconds_at_largest": Column("time at the largest size (s)"),

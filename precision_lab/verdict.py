@@ -71,13 +71,13 @@ class Judgement:
     @property
     def evidence(self) -> list[str]:
         """How the verdict was reached, in words: each quantity that is not plainly `roundoff`, then the notes."""
-        lines = [f"{q.quantity}: {q.verdict}, {q.exceeding} of {q.size} elements beyond the bound (max error ÷ bound "
-                 f"{q.bound_ratio:.3g}){'; ' + q.evidence if q.evidence else ''}"
-                 for q in self.quantities.values() if q.verdict != "roundoff"]
+        lines = [f"{q.quantity}{f' (on probe {q.problem})' if q.problem else ''}: {q.verdict}, {q.exceeding} of "
+                 f"{q.size} elements beyond the bound (max error ÷ bound {q.bound_ratio:.3g})"
+                 f"{'; ' + q.evidence if q.evidence else ''}" for q in self.quantities.values() if q.verdict != "roundoff"]
         settled = [q.quantity for q in self.quantities.values() if q.settled_by]
         if settled:
             lines.append(f"settled elsewhere (their bounds here cannot certify): {', '.join(settled)}")
-        return lines + list(self.notes)
+        return list(self.notes) + lines  # the doctors' findings, then what each quantity shows
 
     def headline(self) -> str:
         """One line: verdict, what names it, and the worst error ÷ bound."""

@@ -54,3 +54,26 @@ def test_float64_build_ratio_separates_rounding_from_a_small_bug(tmp_path, capsy
         assert verdict["main"]["parameters"]["conv3.bias"]["bound_ratio"] < 1
         assert ratio > 0.1 and build["persists"] == ["conv3.bias"] and verdict["verdict"] == "defect"
         assert "persists in the float64 build" in verdict["parameters"]["conv3.bias"]["cause"]
+
+
+def test_every_notebook_reads_a_programs_float64_build_as_diagnose_does(tmp_path):
+    """A program with `command_float64` whose bug hides inside the float32 bound: `diagnose` says defect from its
+    float64 build; so must the experiments that run no float64 build of their own (01 through decide_all, 03)."""
+    import torch
+
+    from precision_lab.candidates import resolve
+    from precision_lab.diagnose import diagnose
+    from precision_lab.experiments import decide_all, optimizer_step, size_sweep
+    from precision_lab.problem import make_problem
+
+    candidate = resolve(str(_candidate(tmp_path, "scaled")))
+    problem = make_problem(12, 2, 0)
+    cpu = torch.device("cpu")
+    expected = diagnose(candidate, problem, "cpu", probes=[])
+    assert expected.verdict == "defect" and expected.float64_build is not None
+    _, judgements = optimizer_step.single_step(problem, [candidate], cpu)
+    assert judgements[candidate.name].verdict == "roundoff"  # the float32 bound alone passes it
+    decided = decide_all(problem, [candidate], cpu, judgements, probes="none")[candidate.name]
+    assert decided.verdict == "defect" and decided.float64_build.persists == ["conv3.bias"]
+    _, swept = size_sweep.sweep([12], [candidate], cpu, probes="none")
+    assert swept[candidate.name].verdict == "defect"

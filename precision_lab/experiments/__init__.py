@@ -94,14 +94,20 @@ def summary_row(candidate: str, experiment: str, decision, headline: str, **extr
     if isinstance(decision, str):  # a verdict with no decision behind it: the reference-free check (06)
         return {"candidate": candidate, "experiment": experiment, "verdict": decision, "headline": headline, **extra}
     return {"candidate": candidate, "experiment": experiment, "verdict": decision.verdict, "headline": headline,
-            "named": decision.summary().named, "probes": probes_run(decision), **extra}
+            "named": decision.summary().named, "probes": probes_run(decision), "probed": decision.probed, **extra}
 
 
 def probes_run(decision) -> str:
-    """'3 probes' or 'unprobed': what the verdict rests on besides the requested problem."""
+    """'3 probes' or 'unprobed' ('3 probes, 4 other sizes' in a sweep): what the verdict rests on besides the
+    requested problem."""
+    from ..decision import SWEEP_SIZE
+
+    sizes = sum(run.kind == SWEEP_SIZE for run, _ in decision.probes)
+    probes = len(decision.probes) - sizes
+    other = f", {sizes} other size{'s' if sizes != 1 else ''}" if sizes else ""
     if not decision.probed:
-        return "unprobed"
-    return f"{len(decision.probes)} probe{'s' if len(decision.probes) != 1 else ''}"
+        return "unprobed" + other
+    return f"{probes} probe{'s' if probes != 1 else ''}{other}"
 
 
 #: float64 references of probe problems: small, and the same for every candidate of a notebook
@@ -126,8 +132,12 @@ def decide_candidate(candidate: Candidate, problem: Problem, device: torch.devic
     (ProbeRun, Judgement) of further problems the experiment judged (a sweep's other sizes)."""
     from .. import probes as probe_set
     from ..decision import decide
-    from ..diagnose import judge_probes
+    from ..diagnose import float64_build_evidence, has_float64_build, judge_probes
 
+    if "float64_build" not in evidence and has_float64_build(candidate, judgement):  # as diagnose reads it
+        result32 = candidate.compute(problem, "float32", device)
+        evidence["float64_build"] = float64_build_evidence(candidate, problem, device, result32,
+                                                           cached_reference(problem, device))
     chosen = probe_set.select(probes) if isinstance(probes, str) or probes is None else list(probes)
     if getattr(candidate, "problem", None) is not None:
         chosen = []  # a static bundle answers its own problem only
@@ -174,5 +184,6 @@ def show_probes(decisions: dict):
         return tables.notes([f"{', '.join(unprobed)}: unprobed (probes = \"none\"): each verdict rests on the "
                              "requested problem alone, so boundary and indexing slips that hide under its bound are "
                              "not ruled out; run with the default probes for a verdict"], "Note:")
-    return tables.show(probe_table(decisions), caption="The probes diagnose runs beside the requested problem (each "
-                       "label says what ran); a candidate's verdict is the worst over all of them (precision_lab.decision)")
+    return tables.show(probe_table(decisions), caption="The probes diagnose runs beside the requested problem, and a "
+                       "sweep's other sizes (each label says what ran); a candidate's verdict is the worst over all of "
+                       "them (precision_lab.decision)")

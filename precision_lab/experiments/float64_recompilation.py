@@ -98,7 +98,7 @@ def summarise(table: pd.DataFrame, decisions: dict) -> pd.DataFrame:
     rows = []
     for name, group in table.groupby("candidate", sort=False):
         params = group[group.quantity != "loss"]
-        persists = params[params.finding == "persists in float64"]
+        persists = group[group.finding == "persists in float64"]  # the loss too: the decision reads every quantity
         if params.finding.eq("no float64 build").all():
             headline = "no float64 build: ratio unavailable"
         else:
