@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import resource
 import gc
 import importlib.util
 import json
@@ -163,8 +164,9 @@ MEMORY_SAMPLE_S = 0.01
 
 
 def _tree_rss_sampler(pid: int, peak: list[float], stop: threading.Event) -> None:
-    """Largest sum of resident memory over `pid` and its descendants, sampled until `stop`: the
-    candidate's program runs beside the lab's reference, so their peaks may add up."""
+    """Largest sum of resident memory over `pid` and its descendants (peak[0]) and largest single process
+    (peak[1]), sampled until `stop`: the candidate's program runs beside the lab's reference, so their peaks
+    may add up."""
     try:
         root = psutil.Process(pid)
     except psutil.Error:
@@ -174,7 +176,9 @@ def _tree_rss_sampler(pid: int, peak: list[float], stop: threading.Event) -> Non
         try:
             for process in [root, *root.children(recursive=True)]:
                 with contextlib.suppress(psutil.Error):
-                    total += process.memory_info().rss
+                    rss = process.memory_info().rss
+                    total += rss
+                    peak[1] = max(peak[1], rss)
         except psutil.Error:
             return
         peak[0] = max(peak[0], total)
@@ -184,7 +188,7 @@ def _tree_rss_sampler(pid: int, peak: list[float], stop: threading.Event) -> Non
 def _one_diagnosis(command: list[str]) -> tuple[float, float, float, int, list[str]]:
     """Wall time, peak memory (GB: largest single process, and the process tree summed) and exit
     code of one `diagnose` child, and its stderr lines."""
-    peak, stop = [0.0], threading.Event()
+    peak, stop = [0.0, 0.0], threading.Event()
     start = time.perf_counter()
     with tempfile.TemporaryFile() as stderr:
         child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
@@ -197,8 +201,13 @@ def _one_diagnosis(command: list[str]) -> tuple[float, float, float, int, list[s
         child.returncode = os.waitstatus_to_exitcode(status)
         stderr.seek(0)
         error_lines = stderr.read().decode(errors="replace").strip().splitlines()
-    # ru_maxrss (KiB on Linux) is the largest single process; the sampled sum covers the overlap
-    single_gb = usage.ru_maxrss / 2 ** 20
+    # ru_maxrss (KiB on Linux) is the largest single process, but a child started by vfork (Python's subprocess)
+    # inherits its parent's high-water mark at exec: from a large parent (a test session) the samples are the
+    # child's own, and ru_maxrss counts only where it is no larger than the parent has ever been
+    inherited = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    sampled_single = peak[1] / 2 ** 30
+    reaped = usage.ru_maxrss / 2 ** 20
+    single_gb = reaped if reaped < inherited or not sampled_single else sampled_single
     return seconds, single_gb, max(single_gb, peak[0] / 2 ** 30), child.returncode, error_lines
 
 

@@ -122,3 +122,20 @@ def test_in_place_reference_is_bit_identical_to_the_layer_by_layer_pass():
     for i in range(len(problem.network.layers)):  # kept as float64, or as its float32 rounding
         assert torch.equal(fast.value(i), plain.value(i).to(fast.value(i).dtype)), i
         assert torch.equal(fast.grad_at(i), plain.grad_at(i).to(fast.grad_at(i).dtype)), i
+
+
+def test_bench_memory_is_the_diagnosis_own_not_its_parents_high_water_mark():
+    """A child started by subprocess (vfork) inherits its parent's ru_maxrss at exec: from a test session that once
+    held 3.4 GB, a 24² diagnosis read as 3.4 GB. The peak reported is the diagnosis's own."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np\n"
+            "a = np.ones(int(1.5e9 / 8)); a.sum(); del a\n"
+            "from precision_lab.bench import diagnosis_cost\n"
+            "from precision_lab.paths import ROOT\n"
+            "c = diagnosis_cost(ROOT / 'examples' / 'python' / 'candidate.yaml', 16, 1, 0)\n"
+            "print(c['peak_rss_gb'], c['peak_tree_rss_gb'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
+    single, tree = map(float, out.split())
+    assert 0.1 < single <= tree < 1.3, out  # the parent's 1.4 GB is not the diagnosis's
