@@ -65,15 +65,20 @@ def _problem_key(problem: Problem, device: torch.device) -> tuple:
             repr(problem.network.spec), str(device), digest)
 
 
+def _cached(cache: "OrderedDict[tuple, Trace]", size: int, problem: Problem, device: torch.device) -> Trace:
+    """The float64 reference of `problem` from `cache` (least recently used dropped beyond `size`)."""
+    key = _problem_key(problem, device)
+    if key not in cache:
+        cache[key] = reference(problem, device)
+        while len(cache) > size:
+            cache.popitem(last=False)
+    cache.move_to_end(key)
+    return cache[key]
+
+
 def cached_reference(problem: Problem, device: torch.device) -> Trace:
     """The float64 reference of `problem`, computed once per problem and device."""
-    key = _problem_key(problem, device)
-    if key not in _REFERENCE_CACHE:
-        _REFERENCE_CACHE[key] = reference(problem, device)
-        while len(_REFERENCE_CACHE) > _REFERENCE_CACHE_SIZE:
-            _REFERENCE_CACHE.popitem(last=False)
-    _REFERENCE_CACHE.move_to_end(key)
-    return _REFERENCE_CACHE[key]
+    return _cached(_REFERENCE_CACHE, _REFERENCE_CACHE_SIZE, problem, device)
 
 
 def network_for(model=None):
@@ -116,12 +121,8 @@ _PROBE_REFERENCE_CACHE_SIZE = 8
 
 
 def probe_reference(problem: Problem, device: torch.device) -> Trace:
-    key = _problem_key(problem, device)
-    if key not in _PROBE_REFERENCES:
-        _PROBE_REFERENCES[key] = reference(problem, device)
-        while len(_PROBE_REFERENCES) > _PROBE_REFERENCE_CACHE_SIZE:
-            _PROBE_REFERENCES.popitem(last=False)
-    return _PROBE_REFERENCES[key]
+    """A probe's float64 reference, shared by every candidate of a notebook."""
+    return _cached(_PROBE_REFERENCES, _PROBE_REFERENCE_CACHE_SIZE, problem, device)
 
 
 def decide_candidate(candidate: Candidate, problem: Problem, device: torch.device, judgement, probes="default",
