@@ -324,10 +324,10 @@ def optimizer_step(summary, masking, envelope, judgements: dict, lr: float, adam
             f"least {format_percent(masking.adam_sign_only_fraction.min())} of elements, so neither comparison tells "
             f"rounding from a bug; judged on the gradients (and the updates, which keep their error): "
             f"{_verdict_groups(findings)}.")
-    return Conclusion(EXPERIMENT, lead, findings, _skipped_notes(skipped) + _unprobed(judgements))
+    return Conclusion(EXPERIMENT, lead, findings, _skipped_notes(skipped) + unprobed_notes(judgements))
 
 
-def _unprobed(decided) -> list[str]:
+def unprobed_notes(decided) -> list[str]:
     """A note naming the candidates judged without the probes (precision_lab.decision: `probed` False)."""
     names = [name for name, d in (decided or {}).items() if getattr(d, "probed", True) is False]
     if not names:
@@ -392,7 +392,7 @@ def float64_recompilation(summary, table, judgements: dict, skipped=()) -> Concl
         clauses.append(f"{', '.join(untested)} cannot be tested this way (no float64 build)")
     lead = ("Recompiled in float64, " + "; ".join(clauses) + f". Verdicts: {_verdict_groups(findings)}."
             if clauses else "No candidate ran.")
-    return Conclusion(EXPERIMENT, lead[0].upper() + lead[1:], findings, _skipped_notes(skipped) + _unprobed(judgements))
+    return Conclusion(EXPERIMENT, lead[0].upper() + lead[1:], findings, _skipped_notes(skipped) + unprobed_notes(judgements))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,7 +460,7 @@ def size_sweep(summary, table, fits, skipped=(), decisions: dict | None = None) 
         findings.append(Finding(row.candidate, row.verdict, text, measurements, action, detail))
     lead = (f"Across sizes {', '.join(map(str, sizes))} (n = batch·H·W up to {format_number(int(table.n.max()))} terms "
             f"per weight-gradient sum): {_verdict_groups(findings)}.")
-    return Conclusion(EXPERIMENT, lead, findings, _skipped_notes(skipped) + _unprobed(decisions))
+    return Conclusion(EXPERIMENT, lead, findings, _skipped_notes(skipped) + unprobed_notes(decisions))
 
 
 def _action_from_verdict(verdict: str, detail: str, defect_like, at_largest) -> str:
@@ -533,7 +533,7 @@ def motivating_case(summary, table, judgements: dict) -> Conclusion:
     else:
         lead = (f"The replays do not settle the seed's question on this run: {_verdict_groups(findings)} "
                 f"(the float32 rounding bound of the weight gradients is at most {bound}).")
-    return Conclusion(EXPERIMENT, lead, findings, _unprobed(judgements))
+    return Conclusion(EXPERIMENT, lead, findings, unprobed_notes(judgements))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,7 +591,7 @@ def conv_algorithms(summary, table, decisions: dict | None = None) -> Conclusion
         lead += (f" Winograd F(4,3) uses {'more' if f4 > f2 else 'no more'} of it than F(2,3) ({format_percent(f4)} "
                  f"against {format_percent(f2)}), {'as' if f4 > f2 else 'unlike what'} the larger tile's error growth "
                  "(Barabasz et al. 2020) predicts.")
-    return Conclusion(EXPERIMENT, lead, findings, _unprobed(decisions))
+    return Conclusion(EXPERIMENT, lead, findings, unprobed_notes(decisions))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,12 +25,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
-
 from .verdict import CERTIFIABLE_FRACTION, Judgement, json_safe, overall, worst
-
-if TYPE_CHECKING:
-    from .probes import ProbeRun
 
 #: the cosine every certified quantity has (‖error‖ ≤ CERTIFIABLE_FRACTION·‖reference‖ gives cos ≥ √(1 − ¼));
 #: a quantity settled elsewhere must show it on its own problem too

@@ -179,12 +179,11 @@ def decided_judgements(decisions: dict) -> dict:
 def show_probes(decisions: dict):
     """The probes table a notebook shows, or the note that its verdicts are unprobed."""
     from .. import tables
+    from ..conclusions import unprobed_notes
 
-    unprobed = [name for name, decision in decisions.items() if not decision.probed]
+    unprobed = unprobed_notes(decisions)
     if unprobed:
-        return tables.notes([f"{', '.join(unprobed)}: unprobed (probes = \"none\"): each verdict rests on the "
-                             "requested problem alone, so boundary and indexing slips that hide under its bound are "
-                             "not ruled out; run with the default probes for a verdict"], "Note:")
+        return tables.notes(unprobed, "Note:")
     return tables.show(probe_table(decisions), caption="The probes diagnose runs beside the requested problem, and a "
                        "sweep's other sizes (each label says what ran); a candidate's verdict is the worst over all of "
                        "them (precision_lab.decision)")
