@@ -163,24 +163,35 @@ def _diagnosis_unavailable(candidate: Path) -> str | None:
 MEMORY_SAMPLE_S = 0.01
 
 
+def _own_peak_bytes(process) -> int:
+    """The process's own resident high-water mark (VmHWM, Linux: its address space is new at exec, so
+    nothing is inherited and no spike between samples is missed), else its current RSS."""
+    with contextlib.suppress(OSError, ValueError):
+        with open(f"/proc/{process.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    return process.memory_info().rss
+
+
 def _tree_rss_sampler(pid: int, peak: list[float], stop: threading.Event) -> None:
-    """Largest sum of resident memory over `pid` and its descendants (peak[0]) and largest single process
-    (peak[1]), sampled until `stop`: the candidate's program runs beside the lab's reference, so their peaks
-    may add up."""
+    """Largest sum of resident memory over `pid` and its descendants (peak[0]) and largest single process's
+    own high-water mark (peak[1]), sampled until `stop`: the candidate's program runs beside the lab's
+    reference, so their peaks may add up."""
     try:
         root = psutil.Process(pid)
     except psutil.Error:
         return
     while not stop.is_set():
+        processes = [root]
+        # listing descendants reads every process on the machine: one that cannot be read must not end the sampling
+        with contextlib.suppress(psutil.Error, OSError):
+            processes += root.children(recursive=True)
         total = 0
-        try:
-            for process in [root, *root.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error):
-                    rss = process.memory_info().rss
-                    total += rss
-                    peak[1] = max(peak[1], rss)
-        except psutil.Error:
-            return
+        for process in processes:
+            with contextlib.suppress(psutil.Error, OSError):
+                total += process.memory_info().rss
+                peak[1] = max(peak[1], _own_peak_bytes(process))
         peak[0] = max(peak[0], total)
         stop.wait(MEMORY_SAMPLE_S)
 
