@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .model import ModelSpecError, Network, parse_spec
-from .ops import OPS
+from .ops import LOSSES, OPS
 
 
 class SpecModule(nn.Module):
@@ -27,13 +27,9 @@ class SpecModule(nn.Module):
         self.network = network
         self.steps = []
         for layer in network.layers:
-            attrs = layer.attrs
-            if layer.op == "conv2d":
-                module = nn.Conv2d(attrs["in"], attrs["out"], attrs["kernel"], attrs["stride"], attrs["padding"],
-                                   attrs["dilation"], attrs["groups"], attrs["bias"], **place)
+            module = OPS[layer.op].torch_module(layer.attrs, **place)
+            if module is not None:
                 self._add(layer.name, module)
-            elif layer.op == "linear":
-                self._add(layer.name, nn.Linear(attrs["in"], attrs["out"], attrs["bias"], **place))
 
     def _add(self, name: str, module: nn.Module) -> None:
         # a dotted name ('enc.conv1') becomes nested modules, so state_dict keys read 'enc.conv1.weight'
@@ -54,43 +50,13 @@ class SpecModule(nn.Module):
     def forward(self, x):
         outputs = {-1: x}
         for layer in self.network.layers:
-            a = layer.attrs
-            inp = outputs[layer.index - 1]
-            if layer.op in ("conv2d", "linear"):
-                y = self._module(layer.name)(inp)
-            elif layer.op == "relu":
-                y = torch.relu(inp)
-            elif layer.op == "leaky_relu":
-                y = F.leaky_relu(inp, a["slope"])
-            elif layer.op == "tanh":
-                y = torch.tanh(inp)
-            elif layer.op == "sigmoid":
-                y = torch.sigmoid(inp)
-            elif layer.op == "gelu":
-                y = F.gelu(inp, approximate=a["approximate"])
-            elif layer.op == "max_pool2d":
-                y = F.max_pool2d(inp, a["kernel"], a["stride"], a["padding"])
-            elif layer.op == "avg_pool2d":
-                y = F.avg_pool2d(inp, a["kernel"], a["stride"], a["padding"], count_include_pad=a["count_include_pad"])
-            elif layer.op == "zero_pad2d":
-                y = F.pad(inp, (a["padding"][2], a["padding"][3], a["padding"][0], a["padding"][1]))
-            elif layer.op == "upsample_nearest":
-                y = F.interpolate(inp, scale_factor=a["scale"], mode="nearest")
-            elif layer.op == "add":
-                y = inp + outputs[layer.source]
-            elif layer.op == "concat":
-                y = torch.cat([inp, outputs[layer.source]], dim=1)
-            elif layer.op == "flatten":
-                y = torch.flatten(inp, 1)
-            else:  # pragma: no cover - every registered op is listed above
-                raise ModelSpecError(f"{layer.label}: op {layer.op} has no PyTorch module form")
-            outputs[layer.index] = y
+            op = OPS[layer.op]
+            xs = [outputs[layer.index - 1]] + ([outputs[layer.source]] if op.combines else [])
+            outputs[layer.index] = op.torch_forward(layer.attrs, xs, self._module(layer.name) if op.parametrised else None)
         return outputs[len(self.network.layers) - 1]
 
     def loss(self, y, target):
-        if self.network.loss == "mse":
-            return F.mse_loss(y, target)
-        return F.cross_entropy(y, target)
+        return LOSSES[self.network.loss].torch_loss(y, target)
 
 
 # ---------------------------------------------------------------------------------------------

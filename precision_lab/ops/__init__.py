@@ -175,6 +175,15 @@ class Op:
     def describe(self, attrs: dict) -> str:
         return self.name
 
+    # as PyTorch runs it (modules.SpecModule) -----------------------------------------------------
+    def torch_module(self, attrs: dict, device=None, dtype=None):
+        """The nn.Module holding a parametrised op's parameters (None: a functional op)."""
+        return None
+
+    def torch_forward(self, attrs: dict, xs: list[torch.Tensor], module) -> torch.Tensor:
+        """The forward as a PyTorch user writes it (autograd gives the backward): `module` is torch_module's."""
+        raise NotImplementedError(f"op {self.name} has no PyTorch form")
+
     # compute -----------------------------------------------------------------------------------
     def forward(self, attrs, xs: list[torch.Tensor], params: dict, kernels: "Kernels") -> torch.Tensor:
         raise NotImplementedError

@@ -51,6 +51,13 @@ class Conv2d(Op):
             "bias": True, "groups": 1}
     parametrised = True
 
+    def torch_module(self, attrs, device=None, dtype=None):
+        return torch.nn.Conv2d(attrs["in"], attrs["out"], attrs["kernel"], attrs["stride"], attrs["padding"],
+                               attrs["dilation"], attrs["groups"], attrs["bias"], device=device, dtype=dtype)
+
+    def torch_forward(self, attrs, xs, module):
+        return module(xs[0])
+
     def check(self, attrs):
         attrs["in"], attrs["out"] = positive_int(attrs["in"], "in"), positive_int(attrs["out"], "out")
         attrs["kernel"] = as_pair(attrs["kernel"], "kernel", 1)
@@ -420,6 +427,12 @@ class Linear(Op):
     name = "linear"
     keys = {"in": REQUIRED, "out": REQUIRED, "bias": True}
     parametrised = True
+
+    def torch_module(self, attrs, device=None, dtype=None):
+        return torch.nn.Linear(attrs["in"], attrs["out"], attrs["bias"], device=device, dtype=dtype)
+
+    def torch_forward(self, attrs, xs, module):
+        return module(xs[0])
 
     def check(self, attrs):
         attrs["in"], attrs["out"] = positive_int(attrs["in"], "in"), positive_int(attrs["out"], "out")

@@ -47,6 +47,9 @@ class ReLU(Op):
     elementwise = True
     slope = 0.0
 
+    def torch_forward(self, attrs, xs, module):
+        return torch.relu(xs[0])
+
     def forward(self, attrs, xs, params, kernels):
         return torch.relu(xs[0])
 
@@ -115,6 +118,9 @@ class ReLU(Op):
 class LeakyReLU(ReLU):
     name = "leaky_relu"
     keys = {"slope": 0.01}
+
+    def torch_forward(self, attrs, xs, module):
+        return F.leaky_relu(xs[0], attrs["slope"])
 
     def check(self, attrs):
         slope = attrs["slope"]
@@ -218,6 +224,9 @@ class Tanh(Smooth):
     name = "tanh"
     second_derivative_bound = 4 / (3 * math.sqrt(3))  # sup|tanh''| = 4/(3√3) at tanh z = 1/√3
 
+    def torch_forward(self, attrs, xs, module):
+        return torch.tanh(xs[0])
+
     def f(self, attrs, z):
         return torch.tanh(z)
 
@@ -229,6 +238,9 @@ class Tanh(Smooth):
 class Sigmoid(Smooth):
     name = "sigmoid"
     second_derivative_bound = 1 / (6 * math.sqrt(3))  # sup|σ''| = 1/(6√3) at σ = 1/2 ± 1/(2√3)
+
+    def torch_forward(self, attrs, xs, module):
+        return torch.sigmoid(xs[0])
 
     def f(self, attrs, z):
         return torch.sigmoid(z)
@@ -243,6 +255,9 @@ class GELU(Smooth):
     keys = {"approximate": "none"}
     #: sup|GELU''| = 2φ(0) = √(2/π) ≈ 0.798 (erf form: f'' = φ(z)(2 − z²)); the tanh form stays below 0.82
     second_derivative_bound = 0.82
+
+    def torch_forward(self, attrs, xs, module):
+        return F.gelu(xs[0], approximate=attrs["approximate"])
 
     def check(self, attrs):
         if attrs["approximate"] not in ("none", "tanh"):

@@ -105,6 +105,9 @@ class Pool(Op):
 class MaxPool2d(Pool):
     name = "max_pool2d"
 
+    def torch_forward(self, attrs, xs, module):
+        return F.max_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"])
+
     def forward(self, attrs, xs, params, kernels):
         return F.max_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"])
 
@@ -151,6 +154,10 @@ class AvgPool2d(Pool):
     # PyTorch's flag and default: divide by k² (True) or by the window's in-bounds count (False, as TF's SAME)
     keys = {**Pool.keys, "count_include_pad": True}
 
+    def torch_forward(self, attrs, xs, module):
+        return F.avg_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"],
+                            count_include_pad=attrs["count_include_pad"])
+
     def check(self, attrs):
         if not isinstance(attrs["count_include_pad"], bool):
             raise OpSpecError(f"'count_include_pad' is {attrs['count_include_pad']!r}: expected true or false")
@@ -191,6 +198,9 @@ class AvgPool2d(Pool):
 class UpsampleNearest(Op):
     name = "upsample_nearest"
     keys = {"scale": REQUIRED}
+
+    def torch_forward(self, attrs, xs, module):
+        return F.interpolate(xs[0], scale_factor=attrs["scale"], mode="nearest")
 
     def check(self, attrs):
         attrs["scale"] = as_pair(attrs["scale"], "scale", 1)
@@ -238,6 +248,9 @@ class Add(Op):
     name = "add"
     combines = True
 
+    def torch_forward(self, attrs, xs, module):
+        return xs[0] + xs[1]
+
     def out_shape(self, attrs, in_shapes):
         first, second = in_shapes
         if len(first) != len(second) or any(a is not None and b is not None and a != b for a, b in zip(first, second)):
@@ -269,6 +282,9 @@ class Add(Op):
 class Concat(Op):
     name = "concat"
     combines = True
+
+    def torch_forward(self, attrs, xs, module):
+        return torch.cat([xs[0], xs[1]], dim=1)
 
     def out_shape(self, attrs, in_shapes):
         first, second = in_shapes
@@ -310,6 +326,9 @@ class Concat(Op):
 class Flatten(Op):
     name = "flatten"
 
+    def torch_forward(self, attrs, xs, module):
+        return torch.flatten(xs[0], 1)
+
     def out_shape(self, attrs, in_shapes):
         shape = in_shapes[0]
         if any(s is None for s in shape):
@@ -347,6 +366,10 @@ class ZeroPad2d(Op):
     name = "zero_pad2d"
     # `multiple`: the input side must be a multiple of it (TF's "same" with a stride pads so only then)
     keys = {"padding": REQUIRED, "multiple": 1}
+
+    def torch_forward(self, attrs, xs, module):
+        top, bottom, left, right = attrs["padding"]
+        return F.pad(xs[0], (left, right, top, bottom))
 
     def check(self, attrs):
         pads = attrs["padding"]
