@@ -24,6 +24,9 @@ it away:
   V̂ = mean Δₖ², P(|error| > c·√V̂) ≤ E[2·exp(−c²V̂/2V)] = 2·(1 + c²/K)^(−K/2) (the moment generating
   function of a χ²_K variable): 1.1·10⁻⁶ per element at K = 16, c = 9 (SAMPLES, FACTOR).
 
+Each op draws its own scales (`Op.sampled_forward_scale`, `Op.sampled_backward_scales`, and the loss's
+`sampled_grad_scale`, in precision_lab.ops); this module only runs them.
+
 The quantity's own last rounding stays deterministic (errmodel's own part) and is added; for every quantity
 the sampled upstream part replaces errmodel's |W|·E where it is smaller (both hold with high probability: so
 does the smaller, with the two failure probabilities added). ReLU flips and max-pool switches are realised by the
@@ -36,8 +39,7 @@ import numpy as np
 import torch
 
 from . import formats, roundoff
-from .conv.winograd_bound import winograd_scale
-from .ops import OPS, is_seed_conv
+from .ops import OPS
 
 #: runs of the float64 network with sampled roundings (K): each costs one float64 forward and backward
 SAMPLES = 16
@@ -61,19 +63,6 @@ def applies(trace, precision: str) -> bool:
     if problem is None or precision in formats.REDUCED_FORMATS:
         return False
     return problem.batch * problem.height * problem.width <= ELEMENT_LIMIT
-
-
-def _gamma_over_lambda(n: int, u: float, lam: float) -> float:
-    return roundoff.probabilistic_gamma(max(1, n), u, lam) / lam
-
-
-def _abs_params(params: dict) -> dict:
-    return {k: v.abs() for k, v in params.items()}
-
-
-def _nonzero(t: torch.Tensor) -> torch.Tensor:
-    """1 where a term's factor is nonzero: the op applied to these counts a sum's nonzero terms."""
-    return (t != 0).to(t.dtype)
 
 
 class SampledOp:
@@ -103,64 +92,11 @@ class SampledOp:
         grads = [h if h is None or s is None else h + s * self.draw(h) for h, s in zip(grads, scales)]
         return grads, param_grads  # a parameter gradient's own rounding is errmodel's (deterministic)
 
-    # scales --------------------------------------------------------------------------------------
     def forward_scale(self, attrs, xs, y, params, kernels):
-        name, u, lam = self.op.name, self.u, self.lam
-        if name == "conv2d" and is_seed_conv(attrs):
-            direct = _gamma_over_lambda(self.op.terms_forward(attrs), u, lam) * self.op.forward(
-                attrs, [xs[0].abs()], _abs_params(params), kernels)
-            # a legitimate Winograd algorithm rounds more where the layer has few input channels: its scale
-            return torch.maximum(direct, winograd_scale(xs[0], params["weight"], u).to(direct.dtype))
-        if name in ("conv2d", "linear"):  # summation orders only: the partial sums' scale (roundoff.partial_sum_scale)
-            n = self.op.terms_forward(attrs) if name == "conv2d" else attrs["in"] + (1 if attrs["bias"] else 0)
-            abs_sum = self.op.forward(attrs, [xs[0].abs()], _abs_params(params), kernels)
-            live = self.op.forward(attrs, [_nonzero(xs[0])], {k: _nonzero(v) for k, v in params.items()}, kernels)
-            return torch.minimum(roundoff.partial_sum_scale(abs_sum, y, live, n, u),
-                                 _gamma_over_lambda(n, u, lam) * abs_sum)
-        if name == "avg_pool2d":
-            window_sum = self.op.forward(attrs, [xs[0].abs()], {}, None)
-            return _gamma_over_lambda(self.op._terms(attrs) + 1, u, lam) * window_sum
-        if name == "add":
-            return u * y.abs()
-        if name == "leaky_relu":
-            return u * abs(attrs["slope"]) * xs[0].abs() * (xs[0] < 0)
-        if name in ("tanh", "sigmoid", "gelu"):
-            z = xs[0]
-            return self.op.evaluation_error(attrs, z, y, self.op.df(attrs, z), u)
-        return None  # relu, max-pool, upsample, concat, flatten: exact copies or selections
+        return self.op.sampled_forward_scale(attrs, xs, y, params, kernels, self.u, self.lam)
 
     def backward_scales(self, attrs, g, xs, y, params, kernels, need, grads):
-        name, u, lam = self.op.name, self.u, self.lam
-        if name in ("conv2d", "linear"):
-            if not need[0]:
-                return [None]
-            if name == "conv2d":
-                kh, kw = attrs["kernel"]
-                n = attrs["out"] // attrs["groups"] * kh * kw
-            else:
-                n = attrs["out"]
-            (s_in,), _ = self.op.backward(attrs, g.abs(), [xs[0].abs()], None, _abs_params(params), kernels, need)
-            if name == "conv2d" and is_seed_conv(attrs):  # Winograd and FFT are legitimate here: S's scale
-                return [_gamma_over_lambda(n, u, lam) * s_in]
-            (live,), _ = self.op.backward(attrs, _nonzero(g), [_nonzero(xs[0])], None,
-                                          {k: _nonzero(v) for k, v in params.items()}, kernels, need)
-            return [torch.minimum(roundoff.partial_sum_scale(s_in, grads[0], live, n, u),
-                                  _gamma_over_lambda(n, u, lam) * s_in)]
-        if name == "avg_pool2d":
-            overlap = -(-attrs["kernel"][0] // attrs["stride"][0]) * -(-attrs["kernel"][1] // attrs["stride"][1])
-            (s_in,), _ = self.op.backward(attrs, g.abs(), xs, y, {}, kernels, need)
-            return [_gamma_over_lambda(overlap + 1, u, lam) * s_in]
-        if name == "upsample_nearest":
-            (s_in,), _ = self.op.backward(attrs, g.abs(), xs, y, {}, kernels, need)
-            return [_gamma_over_lambda(attrs["scale"][0] * attrs["scale"][1], u, lam) * s_in]
-        if name == "leaky_relu":
-            return [u * abs(attrs["slope"]) * g.abs() * (xs[0] <= 0)]
-        if name in ("tanh", "sigmoid", "gelu"):
-            z = xs[0]
-            slope = self.op.df(attrs, z)
-            # the product's rounding and twice the evaluation error of f' (as errmodel's Smooth.backward_error)
-            return [g.abs() * (u * slope.abs() + 2 * self.op.evaluation_error(attrs, z, slope.abs(), slope.abs(), u))]
-        return [None] * len(need)
+        return self.op.sampled_backward_scales(attrs, g, xs, y, params, kernels, need, grads, self.u, self.lam)
 
 
 class SampledLoss:
@@ -176,18 +112,7 @@ class SampledLoss:
         return loss, grad + self.scale * self.draw(grad)
 
     def _scale(self, y, t):
-        u = self.u
-        if self.loss.name == "mse":
-            residual = y - t
-            scale = (2.0 / residual.numel()) * roundoff.gamma(2, u) * residual.abs()
-        else:
-            m, e, s, lse, z_t = self.loss._parts(y, t)
-            p = e / s
-            onehot = torch.zeros_like(p).scatter_(1, t.unsqueeze(1), 1.0)
-            k, count = y.shape[1], self.loss.positions(y)
-            relative = (k + 8 + y.abs() + lse.abs() + (y - m).abs()) * u
-            scale = (p * relative + 2 * u * (p - onehot).abs()) / count
-        return scale
+        return self.loss.sampled_grad_scale(y, t, self.u)
 
 
 def deviations(trace, precision: str, lam: float, samples: int = SAMPLES):

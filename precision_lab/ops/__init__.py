@@ -193,6 +193,15 @@ class Op:
         """(gradients of the inputs, None where not needed; parameter gradients by suffix)."""
         raise NotImplementedError
 
+    # sampled propagation (precision_lab.sampled) ------------------------------------------------
+    def sampled_forward_scale(self, attrs, xs, y, params, kernels, u: float, lam: float):
+        """Scale σ of the Gaussian draw standing for the output's rounding (None: an exact copy or selection)."""
+        return None
+
+    def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u: float, lam: float) -> list:
+        """Scale σ of the draw on each input gradient (None where exact or not needed)."""
+        return [None] * len(need)
+
     # error model ------------------------------------------------------------------------------
     def forward_error(self, attrs, ins: list[Field], y: torch.Tensor, params: dict, ctx: BoundContext) -> Field:
         raise NotImplementedError
@@ -354,6 +363,20 @@ def sparse_points(t: torch.Tensor | None):
     if not sparse_enough(int(torch.count_nonzero(t))):
         return None
     return t.nonzero(as_tuple=True)
+
+
+def gamma_over_lambda(n: int, u: float, lam: float) -> float:
+    """γ̃ₙ(λ)/λ ≥ √n·u: the scale of a sum's rounding before the tail factor λ (Higham & Mary 2019)."""
+    return roundoff.probabilistic_gamma(max(1, n), u, lam) / lam
+
+
+def abs_params(params: dict) -> dict:
+    return {k: v.abs() for k, v in params.items()}
+
+
+def nonzero(t: torch.Tensor) -> torch.Tensor:
+    """1 where a term's factor is nonzero: an op applied to these counts a sum's nonzero terms."""
+    return (t != 0).to(t.dtype)
 
 
 def has_values(t) -> bool:

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from . import REQUIRED, BoundContext, Field, GradField, Op, OpSpecError, Parts, as_pair, gather_radius, positive_int
-from . import has_values, is_seed_conv, register, sparse_points, spread
+from . import abs_params, gamma_over_lambda, has_values, is_seed_conv, nonzero, register, sparse_points, spread
 from .. import roundoff
-from ..conv.winograd_bound import winograd_weight_grad_scale
+from ..conv.winograd_bound import winograd_scale, winograd_weight_grad_scale
 
 #: batch·H·W up to which a 3×3 stride-1 layer's weight gradient gets Winograd's own scale and, with it, the direct
 #: orders' partial-sum bound (as the sampled draws, precision_lab.sampled.ELEMENT_LIMIT); above it the scale's
@@ -50,6 +50,22 @@ class Conv2d(Op):
     keys = {"in": REQUIRED, "out": REQUIRED, "kernel": REQUIRED, "stride": 1, "padding": 0, "dilation": 1,
             "bias": True, "groups": 1}
     parametrised = True
+
+    def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
+        abs_sum = self.forward(attrs, [xs[0].abs()], abs_params(params), kernels)
+        n = self.terms_forward(attrs)
+        if is_seed_conv(attrs):
+            direct = gamma_over_lambda(n, u, lam) * abs_sum
+            # a legitimate Winograd algorithm rounds more where the layer has few input channels: its scale
+            return torch.maximum(direct, winograd_scale(xs[0], params["weight"], u).to(direct.dtype))
+        return _order_only_forward_scale(self, attrs, xs, y, params, kernels, abs_sum, n, u, lam)
+
+    def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u, lam):
+        kh, kw = attrs["kernel"]
+        # Winograd and FFT are legitimate for the seed convolution: S's scale
+        return _order_only_backward_scales(self, attrs, g, xs, params, kernels, need, grads,
+                                           attrs["out"] // attrs["groups"] * kh * kw, u, lam,
+                                           whole_sum=is_seed_conv(attrs))
 
     def torch_module(self, attrs, device=None, dtype=None):
         return torch.nn.Conv2d(attrs["in"], attrs["out"], attrs["kernel"], attrs["stride"], attrs["padding"],
@@ -423,10 +439,36 @@ def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext, g_
     return Parts(n, abs_sum, own, 0.0, propagated, grad.flip_count, drifted)
 
 
+
+def _order_only_forward_scale(op, attrs, xs, y, params, kernels, abs_sum, n, u, lam):
+    """A sum only summation orders compute: its partial sums' scale (roundoff.partial_sum_scale), or γ̃ₙ(λ)·S/λ if smaller."""
+    live = op.forward(attrs, [nonzero(xs[0])], {k: nonzero(v) for k, v in params.items()}, kernels)
+    return torch.minimum(roundoff.partial_sum_scale(abs_sum, y, live, n, u), gamma_over_lambda(n, u, lam) * abs_sum)
+
+
+def _order_only_backward_scales(op, attrs, g, xs, params, kernels, need, grads, n, u, lam, whole_sum=False):
+    """The input gradient's draw scale, as _order_only_forward_scale (γ̃ₙ(λ)·S/λ alone where `whole_sum`)."""
+    if not need[0]:
+        return [None]
+    (s_in,), _ = op.backward(attrs, g.abs(), [xs[0].abs()], None, abs_params(params), kernels, need)
+    if whole_sum:
+        return [gamma_over_lambda(n, u, lam) * s_in]
+    (live,), _ = op.backward(attrs, nonzero(g), [nonzero(xs[0])], None, {k: nonzero(v) for k, v in params.items()},
+                             kernels, need)
+    return [torch.minimum(roundoff.partial_sum_scale(s_in, grads[0], live, n, u), gamma_over_lambda(n, u, lam) * s_in)]
+
 class Linear(Op):
     name = "linear"
     keys = {"in": REQUIRED, "out": REQUIRED, "bias": True}
     parametrised = True
+
+    def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
+        abs_sum = self.forward(attrs, [xs[0].abs()], abs_params(params), kernels)
+        n = attrs["in"] + (1 if attrs["bias"] else 0)
+        return _order_only_forward_scale(self, attrs, xs, y, params, kernels, abs_sum, n, u, lam)
+
+    def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u, lam):
+        return _order_only_backward_scales(self, attrs, g, xs, params, kernels, need, grads, attrs["out"], u, lam)
 
     def torch_module(self, attrs, device=None, dtype=None):
         return torch.nn.Linear(attrs["in"], attrs["out"], attrs["bias"], device=device, dtype=dtype)

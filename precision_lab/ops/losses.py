@@ -31,6 +31,11 @@ class MSE:
     name = "mse"
     target_dtype = "float"
 
+    def sampled_grad_scale(self, y, t, u: float):
+        """Scale of the draw on ∂loss/∂y for sampled propagation: its two roundings (bound's own part, without E_y)."""
+        residual = y - t
+        return (2.0 / residual.numel()) * roundoff.gamma(2, u) * residual.abs()
+
     def torch_loss(self, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.mse_loss(y, t)
 
@@ -109,6 +114,15 @@ def _channels(y: torch.Tensor) -> int:
 class CrossEntropy:
     name = "cross_entropy"
     target_dtype = "int64"
+
+    def sampled_grad_scale(self, y, t, u: float):
+        """Scale of the draw on ∂loss/∂y for sampled propagation: p's evaluation error (bound's own part, without E_y)."""
+        m, e, s, lse, z_t = self._parts(y, t)
+        p = e / s
+        onehot = torch.zeros_like(p).scatter_(1, t.unsqueeze(1), 1.0)
+        k, count = y.shape[1], self.positions(y)
+        relative = (k + 8 + y.abs() + lse.abs() + (y - m).abs()) * u
+        return (p * relative + 2 * u * (p - onehot).abs()) / count
 
     def torch_loss(self, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(y, t)

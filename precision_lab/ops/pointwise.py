@@ -119,6 +119,12 @@ class LeakyReLU(ReLU):
     name = "leaky_relu"
     keys = {"slope": 0.01}
 
+    def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
+        return u * abs(attrs["slope"]) * xs[0].abs() * (xs[0] < 0)
+
+    def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u, lam):
+        return [u * abs(attrs["slope"]) * g.abs() * (xs[0] <= 0)]
+
     def torch_forward(self, attrs, xs, module):
         return F.leaky_relu(xs[0], attrs["slope"])
 
@@ -182,6 +188,16 @@ class Smooth(Op):
 
     elementwise = True
     second_derivative_bound = 1.0
+
+    def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
+        z = xs[0]
+        return self.evaluation_error(attrs, z, y, self.df(attrs, z), u)
+
+    def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u, lam):
+        z = xs[0]
+        slope = self.df(attrs, z)
+        # the product's rounding and twice the evaluation error of f' (as backward_error)
+        return [g.abs() * (u * slope.abs() + 2 * self.evaluation_error(attrs, z, slope.abs(), slope.abs(), u))]
 
     def f(self, attrs, z):
         raise NotImplementedError

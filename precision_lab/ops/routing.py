@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import REQUIRED, Field, GradField, Op, OpSpecError, as_pair, gather_radius, register, spread
+from . import REQUIRED, Field, GradField, Op, OpSpecError, as_pair, gamma_over_lambda, gather_radius, register, spread
 
 
 def _has(t) -> bool:
@@ -154,6 +154,15 @@ class AvgPool2d(Pool):
     # PyTorch's flag and default: divide by k² (True) or by the window's in-bounds count (False, as TF's SAME)
     keys = {**Pool.keys, "count_include_pad": True}
 
+    def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
+        window_sum = self.forward(attrs, [xs[0].abs()], {}, None)
+        return gamma_over_lambda(self._terms(attrs) + 1, u, lam) * window_sum
+
+    def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u, lam):
+        overlap = -(-attrs["kernel"][0] // attrs["stride"][0]) * -(-attrs["kernel"][1] // attrs["stride"][1])
+        (s_in,), _ = self.backward(attrs, g.abs(), xs, y, {}, kernels, need)
+        return [gamma_over_lambda(overlap + 1, u, lam) * s_in]
+
     def torch_forward(self, attrs, xs, module):
         return F.avg_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"],
                             count_include_pad=attrs["count_include_pad"])
@@ -198,6 +207,10 @@ class AvgPool2d(Pool):
 class UpsampleNearest(Op):
     name = "upsample_nearest"
     keys = {"scale": REQUIRED}
+
+    def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u, lam):
+        (s_in,), _ = self.backward(attrs, g.abs(), xs, y, {}, kernels, need)
+        return [gamma_over_lambda(attrs["scale"][0] * attrs["scale"][1], u, lam) * s_in]
 
     def torch_forward(self, attrs, xs, module):
         return F.interpolate(xs[0], scale_factor=attrs["scale"], mode="nearest")
@@ -247,6 +260,9 @@ class UpsampleNearest(Op):
 class Add(Op):
     name = "add"
     combines = True
+
+    def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
+        return u * y.abs()
 
     def torch_forward(self, attrs, xs, module):
         return xs[0] + xs[1]
