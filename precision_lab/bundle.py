@@ -364,10 +364,13 @@ def check_entries(where: Path, entries: dict[str, ArrayEntry], kind: str, precis
     network = network or seed_network()
     dtype = np.dtype(formats.STORAGE_DTYPE[precision])
     expected = expected_shapes(kind, weight_layout, input_shape, network)
+    from .ops import LOSSES
+
+    target_dtype = LOSSES[network.loss].target_dtype  # class labels are integers: the one array not in `precision`
     for name, shape in expected.items():
         if name not in entries:
             raise BundleError(f"{where} has no {name!r} ({_describe_expected(name, shape, weight_layout)})")
-        wanted = np.dtype(np.int64) if name == "target" and network.loss == "cross_entropy" else dtype
+        wanted = np.dtype(target_dtype) if name == "target" and target_dtype != "float" else dtype
         _check_entry(where, entries[name], shape, wanted, precision, weight_layout)
     present = []
     if kind != "request":

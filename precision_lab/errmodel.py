@@ -176,7 +176,7 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
             field.consumable = i >= 0 and remaining_readers[i] == 1 and not _error_read_backward(network, i)
         y = trace.value(layer.index)
         y = y if layer.index == last else _f32(y)
-        if layer.index == last and layer.op in ("conv2d", "linear"):
+        if layer.index == last and op.parametrised:
             field = op.forward_error(layer.attrs, inputs, y, layer_params(params, layer), ctx, parts=True)
         else:
             field = op.forward_error(layer.attrs, inputs, y, layer_params(params, layer), ctx)
@@ -221,8 +221,7 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
 
 def _error_read_backward(network, index: int) -> bool:
     """Whether a reader's backward rule reads the input's forward error (parametrised and smooth ops do)."""
-    return any(OPS[network.layers[r].op].parametrised or OPS[network.layers[r].op].name in ("tanh", "sigmoid", "gelu")
-               for r in network.consumers[index])
+    return any(OPS[network.layers[r].op].reads_error_backward for r in network.consumers[index])
 
 
 def _combine(contributions: list[GradField], g: torch.Tensor, ctx: BoundContext) -> GradField:

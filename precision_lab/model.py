@@ -27,13 +27,17 @@ from typing import Any
 
 from .errors import LabInputError
 from .ops import OPS, LOSSES, OpSpecError
+from .ops.layers import Conv2d
+from .ops.losses import MSE
+from .ops.pointwise import ReLU
 
 #: the seed network (docs/design.md, "The motivating case"): the default everywhere
-SEED_SPEC = {"channels": [1, 16, 16, 1], "kernel_size": 3, "padding": 1, "activation": "relu", "loss": "mse"}
+SEED_SPEC = {"channels": [1, 16, 16, 1], "kernel_size": 3, "padding": 1, "activation": ReLU.name, "loss": MSE.name}
 
 SEED_FORM_KEYS = ("channels", "kernel_size", "padding", "activation", "loss", "bias", "name")
 LAYER_FORM_KEYS = ("input_channels", "layers", "loss", "name")
-SEED_FORM_ACTIVATIONS = ("relu", "leaky_relu", "tanh", "sigmoid", "gelu")
+#: activations a seed-form spec may name: the elementwise ops
+SEED_FORM_ACTIVATIONS = tuple(name for name, op in OPS.items() if op.elementwise)
 #: a model spec file is a few kilobytes; anything this large is the wrong file (and is not parsed)
 MAX_SPEC_BYTES = 1 << 20
 #: image sides searched when a network fixes its input size (a linear layer after a flatten)
@@ -168,7 +172,7 @@ class Network:
     @cached_property
     def has_fixed_size(self) -> bool:
         """True when a flatten feeds a linear layer: the image size is then fixed by its `in`."""
-        return any(layer.op == "flatten" for layer in self.layers)
+        return any(OPS[layer.op].flattens for layer in self.layers)
 
     def sizes_near(self, height: int, width: int, limit: int = 8) -> list[tuple[int, int]]:
         """Up to `limit` sizes (H, W) this network takes, nearest to height × width first."""
@@ -188,7 +192,7 @@ class Network:
         """The length along `axis` where the image is flattened (or at the output), None if a layer cannot take it."""
         lengths: dict[int, int | None] = {-1: length}
         for layer in self.layers:
-            if layer.op == "flatten":
+            if OPS[layer.op].flattens:
                 return lengths[layer.index - 1]
             try:
                 lengths[layer.index] = OPS[layer.op].axis_length(layer.attrs, [lengths[i] for i in layer.inputs], axis)
@@ -198,10 +202,10 @@ class Network:
 
     def _fixed_sizes(self) -> list[tuple[int, int]]:
         """Every (H, W) up to LARGEST_SIDE whose flattened size matches the linear layer after the flatten."""
-        flatten = next(layer for layer in self.layers if layer.op == "flatten")
+        flatten = next(layer for layer in self.layers if OPS[layer.op].flattens)
         symbolic = self._symbolic_shapes()
         channels = symbolic[flatten.index - 1][0]
-        consumer = next((layer for layer in self.layers[flatten.index + 1:] if layer.op == "linear"), None)
+        consumer = next((layer for layer in self.layers[flatten.index + 1:] if OPS[layer.op].parametrised), None)
         if consumer is None:
             return []
         features = consumer.attrs["in"]
@@ -290,19 +294,19 @@ def _expand_seed_form(spec: dict, where: str) -> dict:
     if not isinstance(channels, list) or len(channels) < 2 or not all(_is_int(c) and c >= 1 for c in channels):
         raise ModelSpecError(f"{where}: key 'channels' is {channels!r}: expected a list of at least two positive "
                              f"integers (input, hidden…, output)")
-    activation = spec.get("activation", "relu")
+    activation = spec.get("activation", ReLU.name)
     if activation not in SEED_FORM_ACTIVATIONS:
         raise ModelSpecError(f"{where}: key 'activation' is {activation!r}: expected one of "
                              f"{', '.join(SEED_FORM_ACTIVATIONS)}")
     layers = []
     n_conv = len(channels) - 1
     for k in range(n_conv):
-        layers.append({"name": f"conv{k + 1}", "op": "conv2d", "in": channels[k], "out": channels[k + 1],
+        layers.append({"name": f"conv{k + 1}", "op": Conv2d.name, "in": channels[k], "out": channels[k + 1],
                        "kernel": spec.get("kernel_size", 3), "padding": spec.get("padding", 0),
                        "bias": spec.get("bias", True)})
         if k < n_conv - 1:
             layers.append({"name": f"act{k + 1}", "op": activation})
-    return {"input_channels": channels[0], "layers": layers, "loss": spec.get("loss", "mse")}
+    return {"input_channels": channels[0], "layers": layers, "loss": spec.get("loss", MSE.name)}
 
 
 def _is_int(value) -> bool:
@@ -316,14 +320,14 @@ def _network(spec: dict, where: str, original: dict) -> Network:
     channels = spec.get("input_channels", 1)
     if not _is_int(channels) or channels < 1:
         raise ModelSpecError(f"{where}: key 'input_channels' is {channels!r}: expected a positive integer")
-    loss = spec.get("loss", "mse")
+    loss = spec.get("loss", MSE.name)
     if loss not in LOSSES:
         raise ModelSpecError(f"{where}: unknown loss {loss!r}: supported losses are {', '.join(LOSSES)}")
     raw_layers = spec.get("layers")
     if not isinstance(raw_layers, list) or not raw_layers:
         raise ModelSpecError(f"{where}: key 'layers' must be a non-empty list of layers")
     layers, names = [], {}
-    for index, raw in enumerate(_expand_padding(raw_layers, where)):
+    for index, raw in enumerate(_expand(raw_layers, where)):
         layer = _layer(raw, index, names, where)
         if layer.name:
             names[layer.name] = index
@@ -334,50 +338,19 @@ def _network(spec: dict, where: str, original: dict) -> Network:
     return network
 
 
-def _expand_padding(raw_layers: list, where: str) -> list:
-    """A conv2d with per-side padding ([top, bottom, left, right]) or "same"/"valid" (TensorFlow's rules) is a
-    zero_pad2d and the conv unpadded; symmetric padding stays the conv's own [height, width]."""
+def _expand(raw_layers: list, where: str) -> list:
+    """The spec layers the written ones stand for (Op.expand: a convolution's per-side padding is a zero_pad2d)."""
     expanded = []
     for index, raw in enumerate(raw_layers):
-        padding = raw.get("padding") if isinstance(raw, dict) and raw.get("op") == "conv2d" else None
-        if not (isinstance(padding, str) or (isinstance(padding, list) and len(padding) == 4)):
+        op = OPS.get(raw.get("op")) if isinstance(raw, dict) else None
+        if op is None:
             expanded.append(raw)
             continue
-        label = f"{where}: {raw.get('name') or f'layer {index + 1} (conv2d)'}"
-        pads = _conv_pads(raw, padding, label)
-        if pads[0] == pads[1] and pads[2] == pads[3]:
-            expanded.append(dict(raw, padding=[pads[0], pads[2]]))
-        else:
-            multiple = raw.get("stride", 1) if padding == "same" else 1
-            expanded += [{"op": "zero_pad2d", "padding": list(pads), "multiple": multiple}, dict(raw, padding=0)]
+        try:
+            expanded += op.expand(raw)
+        except OpSpecError as exc:
+            raise ModelSpecError(f"{where}: {raw.get('name') or f'layer {index + 1} ({op.name})'}: {exc}") from None
     return expanded
-
-
-def _conv_pads(raw: dict, padding, label: str) -> tuple[int, int, int, int]:
-    """(top, bottom, left, right) of a conv2d's padding: a 4-list as given, "valid" none, "same" TensorFlow's
-    rule: total d·(k − 1) + 1 − s per axis (the input a multiple of the stride), the odd pixel at the bottom/right."""
-    if isinstance(padding, list):
-        if not all(_is_int(p) and p >= 0 for p in padding):
-            raise ModelSpecError(f"{label}: 'padding' is {padding!r}: expected [top, bottom, left, right], "
-                                 f"non-negative integers")
-        return tuple(padding)
-    if padding == "valid":
-        return (0, 0, 0, 0)
-    if padding != "same":
-        raise ModelSpecError(f"{label}: 'padding' is {padding!r}: expected an integer, [height, width], "
-                             f"[top, bottom, left, right], \"same\" or \"valid\"")
-    from .ops import as_pair
-
-    try:
-        kernel, stride, dilation = (as_pair(raw.get(key, default), key, 1)
-                                    for key, default in (("kernel", None), ("stride", 1), ("dilation", 1)))
-    except OpSpecError as exc:
-        raise ModelSpecError(f"{label}: {exc}") from None
-    pads = []
-    for axis in (0, 1):
-        total = max(dilation[axis] * (kernel[axis] - 1) + 1 - stride[axis], 0)
-        pads += [total // 2, total - total // 2]
-    return tuple(pads)
 
 
 def _layer(raw, index: int, names: dict[str, int], where: str) -> Layer:

@@ -8,14 +8,10 @@
 """
 from __future__ import annotations
 
-import operator
-
-import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .model import ModelSpecError, Network, parse_spec
-from .ops import LOSSES, OPS
+from .ops import LOSSES, OPS, OpSpecError
 
 
 class SpecModule(nn.Module):
@@ -63,11 +59,6 @@ class SpecModule(nn.Module):
 # module → spec
 
 
-_ACTIVATION_MODULES = {nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid"}
-_ACTIVATION_FUNCTIONS = {torch.relu: "relu", F.relu: "relu", torch.tanh: "tanh", F.tanh: "tanh",
-                         torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid"}
-
-
 def from_module(module: nn.Module, input_channels: int | None = None, loss: str = "mse", name: str | None = None) -> Network:
     """A Network from an nn.Sequential or a torch.fx-traceable module built from supported ops.
 
@@ -78,9 +69,9 @@ def from_module(module: nn.Module, input_channels: int | None = None, loss: str 
     if not layers:
         raise ModelSpecError(f"{type(module).__name__}: no layers found")
     if input_channels is None:
-        first = next((layer for layer in layers if layer["op"] in ("conv2d", "linear")), None)
-        if first is None or first["op"] != "conv2d":
-            raise ModelSpecError(f"{type(module).__name__}: give input_channels (the first layer is not a conv2d)")
+        first = next((layer for layer in layers if OPS[layer["op"]].parametrised), None)
+        if first is None or not OPS[first["op"]].windowed:
+            raise ModelSpecError(f"{type(module).__name__}: give input_channels (the first layer is not a convolution)")
         input_channels = first["in"]
     spec = {"input_channels": input_channels, "layers": layers, "loss": loss}
     return parse_spec(spec, name or type(module).__name__)
@@ -98,63 +89,16 @@ def _sequential_layers(sequential: nn.Sequential, prefix: str = "") -> list[dict
 
 
 def _module_layer(module: nn.Module, name: str) -> dict:
-    """The spec layer of one leaf module (named as in state_dict)."""
-    if isinstance(module, nn.Conv2d):
-        if module.padding_mode != "zeros":
-            raise ModelSpecError(f"{name}: Conv2d with padding_mode {module.padding_mode!r}: only zero padding "
-                                 f"is supported")
-        return {"name": name, "op": "conv2d", "in": module.in_channels, "out": module.out_channels,
-                "kernel": list(module.kernel_size), "stride": list(module.stride),
-                "padding": module.padding if isinstance(module.padding, str) else list(module.padding),
-                "dilation": list(module.dilation), "groups": module.groups, "bias": module.bias is not None}
-    if isinstance(module, nn.Linear):
-        return {"name": name, "op": "linear", "in": module.in_features, "out": module.out_features,
-                "bias": module.bias is not None}
-    if isinstance(module, nn.LeakyReLU):
-        return {"name": name, "op": "leaky_relu", "slope": float(module.negative_slope)}
-    if isinstance(module, nn.GELU):
-        return {"name": name, "op": "gelu", "approximate": module.approximate}
-    for cls, op in _ACTIVATION_MODULES.items():
-        if isinstance(module, cls):
-            return {"name": name, "op": op}
-    if isinstance(module, (nn.MaxPool2d, nn.AvgPool2d)):
-        op = "max_pool2d" if isinstance(module, nn.MaxPool2d) else "avg_pool2d"
-        if module.ceil_mode or getattr(module, "dilation", 1) not in (1, (1, 1)) or getattr(
-                module, "divisor_override", None) is not None:
-            raise ModelSpecError(f"{name}: {type(module).__name__} with ceil_mode, dilation or divisor_override "
-                                 f"is not supported")
-        layer = {"name": name, "op": op, "kernel": _pair(module.kernel_size), "stride": _pair(module.stride),
-                 "padding": _pair(module.padding)}
-        if op == "avg_pool2d" and not module.count_include_pad:
-            layer["count_include_pad"] = False
-        return layer
-    if isinstance(module, nn.ZeroPad2d):
-        left, right, top, bottom = module.padding
-        return {"name": name, "op": "zero_pad2d", "padding": [top, bottom, left, right]}
-    if isinstance(module, nn.Upsample):
-        if module.mode != "nearest" or module.scale_factor is None:
-            raise ModelSpecError(f"{name}: Upsample(mode={module.mode!r}, scale_factor={module.scale_factor}) — "
-                                 f"only nearest upsampling by an integer scale_factor is supported")
-        return {"name": name, "op": "upsample_nearest", "scale": _integer_scale(module.scale_factor, name)}
-    if isinstance(module, nn.Flatten):
-        if module.start_dim != 1 or module.end_dim != -1:
-            raise ModelSpecError(f"{name}: Flatten(start_dim={module.start_dim}, end_dim={module.end_dim}): only "
-                                 f"flattening everything but the batch (start_dim=1) is supported")
-        return {"name": name, "op": "flatten"}
+    """The spec layer of one leaf module (named as in state_dict): the op that reads its class (Op.torch_modules)."""
+    for op in OPS.values():
+        if isinstance(module, op.torch_modules):
+            try:
+                return {"name": name, "op": op.name, **op.from_torch_module(module)}
+            except OpSpecError as exc:
+                raise ModelSpecError(f"{name}: {exc}") from None
+    readable = ", ".join(cls.__name__ for op in OPS.values() for cls in op.torch_modules)
     raise ModelSpecError(f"{name}: unsupported module {type(module).__name__}: supported ops are {', '.join(OPS)} "
-                         f"(Conv2d, Linear, ReLU, LeakyReLU, Tanh, Sigmoid, GELU, MaxPool2d, AvgPool2d, "
-                         f"Upsample(nearest), Flatten, +, torch.cat)")
-
-
-def _pair(value):
-    return list(value) if isinstance(value, (tuple, list)) else value
-
-
-def _integer_scale(scale, name: str):
-    scales = scale if isinstance(scale, (tuple, list)) else (scale, scale)
-    if any(float(s) != int(s) or int(s) < 1 for s in scales):
-        raise ModelSpecError(f"{name}: upsampling scale {scale!r} is not a positive integer")
-    return [int(s) for s in scales] if scales[0] != scales[1] else int(scales[0])
+                         f"({readable}, +, torch.cat)")
 
 
 def _traced_layers(module: nn.Module) -> list[dict]:
@@ -188,7 +132,7 @@ def _traced_layers(module: nn.Module) -> list[dict]:
             first = tensors[0] if tensors else "nothing"
             raise ModelSpecError(f"{node.name}: reads {first!r}, not the previous layer {previous!r}: the spec runs "
                                  f"layers in order (only add and concat read a second input, named by 'from')")
-        if layer["op"] in ("add", "concat"):
+        if OPS[layer["op"]].combines:
             if len(tensors) != 2:
                 raise ModelSpecError(f"{node.name}: {layer['op']} of {len(tensors)} tensors; the spec combines two")
             other = tensors[1]
@@ -206,42 +150,18 @@ def _traced_layers(module: nn.Module) -> list[dict]:
 
 
 def _node_layer(node, submodules) -> tuple[dict, list]:
+    """The spec layer of one traced call, and the tensors it reads: the op whose torch_calls holds its target."""
     tensors = [a for a in node.args if hasattr(a, "name") and hasattr(a, "op")]
     if node.op == "call_module":
         return _module_layer(submodules[node.target], node.target), tensors
     target = node.target
-    if target in _ACTIVATION_FUNCTIONS:
-        return {"op": _ACTIVATION_FUNCTIONS[target]}, tensors
-    if target is F.leaky_relu:
-        slope = node.kwargs.get("negative_slope", node.args[1] if len(node.args) > 1 else 0.01)
-        return {"op": "leaky_relu", "slope": float(slope)}, tensors
-    if target is F.gelu:
-        return {"op": "gelu", "approximate": node.kwargs.get("approximate", "none")}, tensors
-    if target in (operator.add, torch.add):
-        return {"op": "add"}, tensors
-    if target is torch.cat:
-        parts = node.args[0]
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-        if dim != 1:
-            raise ModelSpecError(f"{node.name}: torch.cat along dim {dim}; only channels (dim=1) are supported")
-        return {"op": "concat"}, list(parts)
-    if target is torch.flatten or (node.op == "call_method" and target == "flatten"):
-        start = node.kwargs.get("start_dim", node.args[1] if len(node.args) > 1 else 0)
-        if start != 1:
-            raise ModelSpecError(f"{node.name}: flatten from dim {start}; only start_dim=1 is supported")
-        return {"op": "flatten"}, tensors[:1]
-    if node.op == "call_method" and target in ("relu", "tanh", "sigmoid"):
-        return {"op": target}, tensors
-    if target in (F.max_pool2d, F.avg_pool2d):
-        kernel = node.kwargs.get("kernel_size", node.args[1] if len(node.args) > 1 else None)
-        stride = node.kwargs.get("stride", node.args[2] if len(node.args) > 2 else None)
-        layer = {"op": "max_pool2d" if target is F.max_pool2d else "avg_pool2d", "kernel": _pair(kernel)}
-        if stride is not None:
-            layer["stride"] = _pair(stride)
-        return layer, tensors[:1]
-    if target is F.interpolate:
-        if node.kwargs.get("mode", "nearest") != "nearest" or node.kwargs.get("scale_factor") is None:
-            raise ModelSpecError(f"{node.name}: interpolate other than mode='nearest' with a scale_factor")
-        return {"op": "upsample_nearest", "scale": _integer_scale(node.kwargs["scale_factor"], node.name)}, tensors[:1]
+    for op in OPS.values():
+        if any(target == call if isinstance(call, str) else target is call for call in op.torch_calls) and (
+                isinstance(target, str) == (node.op == "call_method")):
+            try:
+                return {"op": op.name, **op.from_torch_call(target, node.args, node.kwargs)}, \
+                    op.call_inputs(tensors, node.args)
+            except OpSpecError as exc:
+                raise ModelSpecError(f"{node.name}: {exc}") from None
     label = getattr(target, "__name__", str(target))
     raise ModelSpecError(f"{node.name}: unsupported op {label}: supported ops are {', '.join(OPS)}")

@@ -32,6 +32,7 @@ import torch
 
 from .sizes import MIN_SIDE, ProblemError, parse_size  # light: the CLI checks sizes before importing torch
 from .model import Network, load_model, seed_network
+from .ops import LOSSES
 
 #: what `targets` may say: the task's own targets, or random ones (a probe that decorrelates the gradient)
 TARGET_KINDS = ("task", "random")
@@ -228,7 +229,7 @@ def _make_target(network: Network, cleans: np.ndarray, seed: int, targets: str) 
     out = network.output_shape(height, width)
     rng = np.random.default_rng(np.random.PCG64(seed + 7919))
     same_grid = len(out) == 3 and out[1:] == (height, width)
-    if network.loss == "mse":
+    if LOSSES[network.loss].target_dtype == "float":
         if targets == "task" and same_grid:
             return np.ascontiguousarray(cleans[:, [c % channels for c in range(out[0])]])
         return rng.standard_normal((batch, *out)).astype(np.float32)

@@ -141,7 +141,7 @@ def judge(result: Result, reference: Trace, claimed_precision: str = "float32", 
     """Compare `result` with the float64 `reference` and give a verdict per quantity and overall.
 
     `fingerprint`: correlate the errors with emulated coarser formats (None: when cheap enough,
-    doctors.FINGERPRINT_LIMIT); `hypotheses`: run the defect doctor when a defect is found.
+    doctors.RECOMPUTE_LIMIT); `hypotheses`: run the defect doctor when a defect is found.
     """
     formats.unit_roundoff(claimed_precision)  # unknown precision → ValueError naming the choices
     storage = formats.STORAGE_DTYPE[claimed_precision]

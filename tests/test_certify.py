@@ -12,7 +12,7 @@ import pytest
 
 from precision_lab.compare import CERTIFIABLE_FRACTION, measure
 from precision_lab.compute import Result, forward_backward
-from precision_lab.doctors import FlattenHWC
+from precision_lab.ops.routing import FlattenHWC
 from precision_lab.model import load_model
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference
@@ -330,21 +330,21 @@ def test_a_probe_that_cannot_certify_a_near_zero_quantity_abstains_when_every_ot
     ("small-unet.json", "act2", {"slope": 0.2}, "slope of 0.2 (tf.nn.leaky_relu's default)")])
 def test_an_activation_computed_by_another_frameworks_default_is_named(spec, layer, change, named):
     # the U-Net's slope error reaches bfloat16's error level by chance here (4×): its pattern is not bfloat16's
-    from precision_lab.doctors import _OtherAttributes
+    from precision_lab.ops import OtherAttributes
     from precision_lab.ops import OPS
 
     network = load_model(MODELS / spec)
     problem = make_problem(32, 2, 1, network=network)
     index = network.index_of(layer)
     ported = forward_backward(problem, "float32",
-                              rules={index: _OtherAttributes(OPS[network.layers[index].op], change)})
+                              rules={index: OtherAttributes(OPS[network.layers[index].op], change)})
     judgement = judge(ported, reference(problem))
     assert judgement.verdict == "defect"
     assert judgement.cause is not None and named in judgement.cause, judgement.to_text()
 
 
 def test_a_concat_in_the_other_order_is_named():
-    from precision_lab.doctors import ConcatSwapped
+    from precision_lab.ops.routing import ConcatSwapped
 
     network = load_model(MODELS / "small-unet.json")
     problem = make_problem(32, 2, 2, network=network)
@@ -358,12 +358,12 @@ def test_a_concat_in_the_other_order_is_named():
     ("lenet-classifier.json", ("c1", "c2"), "every convolution computed as a true convolution"),
     ("dilated-resnet.yaml", ("dil",), "computed as a true convolution")])
 def test_a_true_convolution_where_the_spec_means_cross_correlation_is_named(spec, layers, named):
-    from precision_lab.doctors import _TrueConvolution
+    from precision_lab.ops.layers import TrueConvolution
     from precision_lab.ops import OPS
 
     network = load_model(MODELS / spec)
     problem = make_problem(28 if "lenet" in spec else 32, 2, 3, network=network)
-    rules = {network.index_of(name): _TrueConvolution(OPS["conv2d"]) for name in layers}
+    rules = {network.index_of(name): TrueConvolution(OPS["conv2d"]) for name in layers}
     judgement = judge(forward_backward(problem, "float32", rules=rules), reference(problem))
     assert judgement.verdict == "defect"
     assert judgement.cause is not None and named in judgement.cause, judgement.to_text()
@@ -388,7 +388,8 @@ def test_the_same_slip_in_every_layer_is_one_cause(candidate, slip):
 
 
 def test_different_slips_in_different_layers_are_not_one_cause():
-    from precision_lab.doctors import Slip, _one_slip_in_every_layer
+    from precision_lab.doctors.defects import _one_slip_in_every_layer
+    from precision_lab.doctors.hypotheses import Slip
 
     def one(*causes):  # each failing quantity's fit as the defect doctor records it: (layers, slip), never re-read
         return _one_slip_in_every_layer([((c.layer,), c.slip) if isinstance(c, Slip) else ((), c) for c in causes])

@@ -21,6 +21,10 @@ from .. import formats
 from ..compute import Result, forward_backward
 from ..layout import to_layout
 from ..ops import LOSSES, OPS, BackwardReplaced, Kernels, is_seed_conv
+from ..ops.layers import Conv2d
+from ..ops.losses import MSE, CrossEntropy
+from ..ops.pointwise import ReLU
+from ..ops.routing import Add, UpsampleNearest
 from ..problem import Problem
 from . import Candidate, builtin, register  # noqa: F401 - builtin first: registry() loads only when empty
 from .builtin import emulated
@@ -203,6 +207,9 @@ def _bias_summed(reduce):
     return backward
 
 
+#: the ops with a bias gradient (a per-channel sum over batch and pixels)
+_BIASED = tuple(name for name, op in OPS.items() if "bias" in op.keys)
+
 # a loop (or atomics) with one accumulator per channel: the order that stagnates on repeated values
 _bias_sequential = _bias_summed(sum_sequential)
 
@@ -211,7 +218,7 @@ register(Candidate(name="bias-sequential", description="bias gradients summed ov
                    "accumulator per channel (a loop, or atomics)",
                    run=lambda problem, precision, device: forward_backward(
                        problem, precision, device,
-                       rules={op: BackwardReplaced(OPS[op], _bias_sequential) for op in ("conv2d", "linear")}),
+                       rules={op: BackwardReplaced(OPS[op], _bias_sequential) for op in _BIASED}),
                    family="legitimate", expected="roundoff", applies=lambda n: bool(n.bias_names)))
 
 
@@ -224,7 +231,7 @@ class _SignsApartLoss:
 
     def forward_backward(self, y: torch.Tensor, t: torch.Tensor, in_place: bool = False):
         _, grad = self.loss.forward_backward(y, t, in_place=False)
-        if self.loss.name == "mse":
+        if isinstance(self.loss, MSE):
             residual = y - t
             terms = residual * residual
         else:  # cross-entropy: log-sum-exp minus the target's logit at each position
@@ -253,7 +260,7 @@ class _SignsApartKernels(Kernels):
 
 
 def _sums_signs_apart(problem: Problem, precision: str, device: torch.device) -> Result:
-    rules = {op: BackwardReplaced(OPS[op], _bias_summed(sum_signs_apart)) for op in ("conv2d", "linear")}
+    rules = {op: BackwardReplaced(OPS[op], _bias_summed(sum_signs_apart)) for op in _BIASED}
     rules["loss"] = _SignsApartLoss(LOSSES[problem.network.loss])
     kernels = _SignsApartKernels(weight_grad=OrderedWeightGrad("signs-apart"), name="sums-signs-apart")
     return forward_backward(problem, precision, device, rules=rules, kernels=kernels)
@@ -297,7 +304,7 @@ register(Candidate(name="tf32-claimed", description="TF32 operands, honestly cla
 
 
 def _has_seed_conv(network) -> bool:
-    return any(layer.op == "conv2d" and is_seed_conv(layer.attrs) for layer in network.layers)
+    return any(OPS[layer.op].windowed and is_seed_conv(layer.attrs) for layer in network.layers)
 
 
 def _algorithm(name: str):
@@ -334,7 +341,7 @@ def _slipped(rules_for):
 
 
 def _relu_layers(network):
-    return [layer for layer in network.layers if layer.op == "relu"]
+    return [layer for layer in network.layers if layer.op == ReLU.name]
 
 
 def _unmasked(op, attrs, g, xs, y, params, kernels, need):
@@ -373,11 +380,11 @@ def _edge_skipped(row: bool, first: bool):
 
 
 def _first_conv(network):
-    return next((layer for layer in network.layers if layer.op == "conv2d"), None)
+    return next((layer for layer in network.layers if OPS[layer.op].windowed), None)
 
 
 def _convs(network):
-    return [layer for layer in network.layers if layer.op == "conv2d"]
+    return [layer for layer in network.layers if OPS[layer.op].windowed]
 
 
 def _loss_rule(scale_of):
@@ -472,28 +479,28 @@ def _has_op(name):
 
 
 for _name, _rules, _applies, _expected, _text in [
-    ("relu-mask-missing", lambda n: {"relu": BackwardReplaced(OPS["relu"], _unmasked)}, lambda n: bool(_relu_layers(n)),
+    ("relu-mask-missing", lambda n: {ReLU.name: BackwardReplaced(OPS[ReLU.name], _unmasked)}, lambda n: bool(_relu_layers(n)),
      "defect", "the backward passes gradients through the ReLUs unmasked"),
-    ("mean-missing", _loss_slip(lambda base, y: base.positions(y) if base.name == "cross_entropy" else y.numel()),
+    ("mean-missing", _loss_slip(lambda base, y: base.positions(y) if isinstance(base, CrossEntropy) else y.numel()),
      None, "defect", "∂loss/∂output without the 1/N of the mean"),
-    ("factor-two-missing", _loss_slip(lambda base, y: 0.5), lambda n: n.loss == "mse", "defect",
+    ("factor-two-missing", _loss_slip(lambda base, y: 0.5), lambda n: n.loss == MSE.name, "defect",
      "∂loss/∂output = (y − t)/N: the 2 of the square forgotten"),
-    ("bias-one-sample", lambda n: {op: BackwardReplaced(OPS[op], _bias_one_sample) for op in ("conv2d", "linear")},
+    ("bias-one-sample", lambda n: {op: BackwardReplaced(OPS[op], _bias_one_sample) for op in _BIASED},
      lambda n: bool(n.bias_names), "defect", "bias gradients summed over the first image of the batch only"),
     ("mask-wrong-layer", _mask_wrong_layer, _two_relus_alike, "defect",
      "the first ReLU's backward uses another ReLU's mask"),
-    ("padding-offset", lambda n: {"conv2d": BackwardReplaced(OPS["conv2d"], _shifted_windows)}, lambda n: bool(_convs(n)),
+    ("padding-offset", lambda n: {Conv2d.name: BackwardReplaced(OPS[Conv2d.name], _shifted_windows)}, lambda n: bool(_convs(n)),
      "defect", "weight gradients with the halo on one side: windows one pixel off"),
-    ("last-row-skipped", lambda n: {"conv2d": BackwardReplaced(OPS["conv2d"], _edge_skipped(row=True, first=False))},
+    ("last-row-skipped", lambda n: {Conv2d.name: BackwardReplaced(OPS[Conv2d.name], _edge_skipped(row=True, first=False))},
      lambda n: bool(_convs(n)), "defect", "weight-gradient loop over image rows stops one row short"),
-    ("first-column-skipped", lambda n: {_first_conv(n).index: BackwardReplaced(OPS["conv2d"], _edge_skipped(row=False, first=True))},
+    ("first-column-skipped", lambda n: {_first_conv(n).index: BackwardReplaced(OPS[Conv2d.name], _edge_skipped(row=False, first=True))},
      lambda n: bool(_convs(n)), "defect", "the first convolution's weight gradient ignores the first image column"),
-    ("upsample-backward-first-only", lambda n: {"upsample_nearest": BackwardReplaced(OPS["upsample_nearest"], _upsample_first_only)},
-     _has_op("upsample_nearest"), "defect", "upsample backward takes each block's first gradient instead of their sum"),
-    ("skip-no-gradient", lambda n: {"add": BackwardReplaced(OPS["add"], _skip_no_gradient)}, _has_op("add"), "defect",
+    ("upsample-backward-first-only", lambda n: {UpsampleNearest.name: BackwardReplaced(OPS[UpsampleNearest.name], _upsample_first_only)},
+     _has_op(UpsampleNearest.name), "defect", "upsample backward takes each block's first gradient instead of their sum"),
+    ("skip-no-gradient", lambda n: {Add.name: BackwardReplaced(OPS[Add.name], _skip_no_gradient)}, _has_op(Add.name), "defect",
      "the skip connection (add's `from`) gets no gradient"),
-    ("cross-entropy-summed", lambda n: {"loss": _SummedCrossEntropy(LOSSES["cross_entropy"])},
-     lambda n: n.loss == "cross_entropy", "defect", "cross-entropy summed over samples instead of averaged"),
+    ("cross-entropy-summed", lambda n: {"loss": _SummedCrossEntropy(LOSSES[CrossEntropy.name])},
+     lambda n: n.loss == CrossEntropy.name, "defect", "cross-entropy summed over samples instead of averaged"),
 ]:
     register(Candidate(name=_name, description=_text, run=_slipped(_rules), family="defect", expected=_expected,
                        applies=_applies))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -143,6 +144,14 @@ class Op:
     parametrised = False
     combines = False  # reads a second input named by `from`
     elementwise = False  # output element i depends on input element i only
+    masks = False  # its backward masks by its forward's decisions: the local bound reads the forward's flips
+    windowed = False  # its weight gradient sums windows of its input: shifted or clipped windows are its slips
+    flattens = False  # turns an image into features: the image size is then fixed by the reader's fan-in
+    reads_error_backward = False  # backward_error reads its input's forward error (parametrised and smooth ops)
+
+    def expand(self, raw: dict) -> list[dict]:
+        """The spec layers one written layer stands for (a convolution's "same" padding: a pad, then the conv)."""
+        return [raw]
 
     def normalise(self, attrs: dict) -> dict:
         unknown = sorted(set(map(str, attrs)) - set(self.keys))
@@ -193,6 +202,23 @@ class Op:
         """(gradients of the inputs, None where not needed; parameter gradients by suffix)."""
         raise NotImplementedError
 
+    # read from a PyTorch module (modules.from_module) --------------------------------------------
+    #: nn.Module classes this op is read from, and the functions or tensor-method names of a traced graph
+    torch_modules: tuple = ()
+    torch_calls: tuple = ()
+
+    def from_torch_module(self, module) -> dict:
+        """The spec attributes of an nn.Module of torch_modules (OpSpecError for settings the op cannot take)."""
+        return {}
+
+    def from_torch_call(self, target, args: tuple, kwargs: dict) -> dict:
+        """The spec attributes of a traced call of one of torch_calls with these arguments (tensors among them)."""
+        return {}
+
+    def call_inputs(self, tensors: list, args: tuple) -> list:
+        """The tensor arguments a traced call reads (a concat's are in a list)."""
+        return tensors
+
     # sampled propagation (precision_lab.sampled) ------------------------------------------------
     def sampled_forward_scale(self, attrs, xs, y, params, kernels, u: float, lam: float):
         """Scale σ of the Gaussian draw standing for the output's rounding (None: an exact copy or selection)."""
@@ -201,6 +227,16 @@ class Op:
     def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u: float, lam: float) -> list:
         """Scale σ of the draw on each input gradient (None where exact or not needed)."""
         return [None] * len(need)
+
+    # what a port gets wrong (the defect doctor's named hypotheses) -------------------------------
+    def port_slips(self, attrs, in_shape: tuple) -> list["PortSlip"]:
+        """The ways a port plausibly computes this layer otherwise; `in_shape` is its input's per-sample shape."""
+        return []
+
+    def local_slip(self, attrs, g, theirs, expected, bound, u: float, ratio) -> str | None:
+        """A local slip's name when it fits the candidate's input gradient `theirs` (`ratio(got, expected, bound)`
+        ≤ 1), given the output gradient `g` and the correct input gradient `expected`."""
+        return None
 
     # error model ------------------------------------------------------------------------------
     def forward_error(self, attrs, ins: list[Field], y: torch.Tensor, params: dict, ctx: BoundContext) -> Field:
@@ -312,6 +348,62 @@ class Kernels:
         return torch.matmul(g.T, x)
 
 
+@dataclass(frozen=True)
+class PortSlip:
+    """One way a port computes a layer of an op otherwise, recomputed in float64 by the defect doctor as a named
+    hypothesis (docs/design.md, "Explaining a verdict")."""
+
+    family: str  # which family of hypotheses: families are tested in doctors.hypotheses.HYPOTHESES's order
+    text: str  # what the port does, after the layer's label; "{skip}": the skip's source, "{other}": another layer
+    rule: Callable  # () → a rule replacing the op for one recomputation; (other layer's input) → rule where `borrows`
+    forward: bool = False  # the forward differs too: the output and the loss are expected otherwise as well
+    every: tuple[str, ...] = ()  # group names: the same slip in several layers is also one hypothesis, "every …"
+    borrows: bool = False  # the rule takes another layer's input of the same shape (another ReLU's mask)
+    feature_order: Any = None  # a reordered flatten's feature order: the next layer's weight columns read so
+
+
+class Rule:
+    """An op's rules replaced for one recomputation: computed plainly (no in-place forward or backward, nothing
+    derived from a neighbour)."""
+
+    forward_inplace = None
+    derive_output = None
+    derive_input_grad = None
+    backward_inplace = None
+
+
+class OtherAttributes(Rule):
+    """An op computed, forward and backward, with some of its attributes changed (another framework's default)."""
+
+    def __init__(self, op, changes: dict):
+        self.op, self.changes = op, changes
+
+    def forward(self, attrs, xs, params, kernels):
+        return self.op.forward({**attrs, **self.changes}, xs, params, kernels)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return self.op.backward({**attrs, **self.changes}, g, xs, y, params, kernels, need)
+
+
+def dropping(which: int):
+    """A backward that passes no gradient to input `which` (for BackwardReplaced)."""
+    def backward(op, attrs, g, xs, y, params, kernels, need):
+        grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
+        grads = list(grads)
+        if grads[which] is not None:
+            grads[which] = torch.zeros_like(grads[which])
+        return grads, param_grads
+
+    return backward
+
+
+def dropping_slips(op) -> list[PortSlip]:
+    """A two-input op's backward that passes no gradient to one of its inputs."""
+    return [PortSlip("routing", "backward passes no gradient to the skip from {skip}",
+                     lambda: BackwardReplaced(op, dropping(1))),
+            PortSlip("routing", "backward passes no gradient to the main branch", lambda: BackwardReplaced(op, dropping(0)))]
+
+
 class BackwardReplaced:
     """An op with its backward replaced by `backward(op, attrs, g, xs, y, params, kernels, need)`, forward unchanged:
     the zoo's planted slips and the defect doctor's hypotheses (a rule for `compute.forward_backward`)."""
@@ -389,6 +481,6 @@ def n_spatial(shape) -> int:
 
 from . import layers, losses, pointwise, routing  # noqa: E402,F401 - each registers its ops
 
-__all__ = ["BoundContext", "Field", "GradField", "Kernels", "LOSSES", "OPS", "Op", "OpSpecError", "Parts",
-           "REQUIRED", "SEED_CONV", "SPARSE_LIMIT", "has_values", "is_seed_conv", "register", "register_loss",
+__all__ = ["BackwardReplaced", "BoundContext", "Field", "GradField", "Kernels", "LOSSES", "OPS", "Op", "OpSpecError",
+           "OtherAttributes", "Parts", "PortSlip", "REQUIRED", "Rule", "SEED_CONV", "SPARSE_LIMIT", "has_values", "is_seed_conv", "register", "register_loss",
            "sparse_points"]

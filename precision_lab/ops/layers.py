@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import REQUIRED, BoundContext, Field, GradField, Op, OpSpecError, Parts, as_pair, gather_radius, positive_int
-from . import abs_params, gamma_over_lambda, has_values, is_seed_conv, nonzero, register, sparse_points, spread
+from . import PortSlip, Rule, abs_params, gamma_over_lambda, has_values, is_seed_conv, nonzero, register, sparse_points, spread
 from .. import roundoff
 from ..conv.winograd_bound import winograd_scale, winograd_weight_grad_scale
 
@@ -45,11 +45,65 @@ def _abs(t: torch.Tensor) -> torch.Tensor:
     return t.abs()
 
 
+
+def _conv_pads(raw: dict, padding) -> tuple[int, int, int, int]:
+    """(top, bottom, left, right) of a conv2d's padding: a 4-list as given, "valid" none, "same" TensorFlow's
+    rule: total d·(k − 1) + 1 − s per axis (the input a multiple of the stride), the odd pixel at the bottom/right."""
+    if isinstance(padding, list):
+        if not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in padding):
+            raise OpSpecError(f"'padding' is {padding!r}: expected [top, bottom, left, right], non-negative integers")
+        return tuple(padding)
+    if padding == "valid":
+        return (0, 0, 0, 0)
+    if padding != "same":
+        raise OpSpecError(f"'padding' is {padding!r}: expected an integer, [height, width], [top, bottom, left, right], "
+                          f"\"same\" or \"valid\"")
+    kernel, stride, dilation = (as_pair(raw.get(key, default), key, 1)
+                                for key, default in (("kernel", None), ("stride", 1), ("dilation", 1)))
+    pads = []
+    for axis in (0, 1):
+        total = max(dilation[axis] * (kernel[axis] - 1) + 1 - stride[axis], 0)
+        pads += [total // 2, total - total // 2]
+    return tuple(pads)
+
 class Conv2d(Op):
     name = "conv2d"
     keys = {"in": REQUIRED, "out": REQUIRED, "kernel": REQUIRED, "stride": 1, "padding": 0, "dilation": 1,
             "bias": True, "groups": 1}
     parametrised = True
+
+    windowed = True
+    reads_error_backward = True
+
+    torch_modules = (torch.nn.Conv2d,)
+
+    def expand(self, raw):
+        """Per-side padding ([top, bottom, left, right]) or "same"/"valid" (TensorFlow's rules) is a zero_pad2d and the
+        conv unpadded; symmetric padding stays the conv's own [height, width]."""
+        padding = raw.get("padding")
+        if not (isinstance(padding, str) or (isinstance(padding, list) and len(padding) == 4)):
+            return [raw]
+        pads = _conv_pads(raw, padding)
+        if pads[0] == pads[1] and pads[2] == pads[3]:
+            return [dict(raw, padding=[pads[0], pads[2]])]
+        multiple = raw.get("stride", 1) if padding == "same" else 1
+        return [{"op": "zero_pad2d", "padding": list(pads), "multiple": multiple}, dict(raw, padding=0)]
+
+    def from_torch_module(self, module):
+        if module.padding_mode != "zeros":
+            raise OpSpecError(f"Conv2d with padding_mode {module.padding_mode!r}: only zero padding is supported")
+        return {"in": module.in_channels, "out": module.out_channels, "kernel": list(module.kernel_size),
+                "stride": list(module.stride),
+                "padding": module.padding if isinstance(module.padding, str) else list(module.padding),
+                "dilation": list(module.dilation), "groups": module.groups, "bias": module.bias is not None}
+
+    def port_slips(self, attrs, in_shape):
+        if tuple(attrs["kernel"]) == (1, 1):
+            return []
+        return [PortSlip("kernel orientation", "computed as a true convolution, the kernel flipped (cuDNN's "
+                         "CUDNN_CONVOLUTION mode) where the spec means cross-correlation (CUDNN_CROSS_CORRELATION, as "
+                         "PyTorch and TensorFlow)", lambda: TrueConvolution(self), forward=True,
+                         every=("every convolution",))]
 
     def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
         abs_sum = self.forward(attrs, [xs[0].abs()], abs_params(params), kernels)
@@ -439,7 +493,6 @@ def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext, g_
     return Parts(n, abs_sum, own, 0.0, propagated, grad.flip_count, drifted)
 
 
-
 def _order_only_forward_scale(op, attrs, xs, y, params, kernels, abs_sum, n, u, lam):
     """A sum only summation orders compute: its partial sums' scale (roundoff.partial_sum_scale), or γ̃ₙ(λ)·S/λ if smaller."""
     live = op.forward(attrs, [nonzero(xs[0])], {k: nonzero(v) for k, v in params.items()}, kernels)
@@ -457,10 +510,36 @@ def _order_only_backward_scales(op, attrs, g, xs, params, kernels, need, grads, 
                              kernels, need)
     return [torch.minimum(roundoff.partial_sum_scale(s_in, grads[0], live, n, u), gamma_over_lambda(n, u, lam) * s_in)]
 
+
+class TrueConvolution(Rule):
+    """A conv2d computed with its kernel flipped in H and W (cuDNN's CUDNN_CONVOLUTION mode, scipy.signal.convolve2d)
+    where the spec means cross-correlation; its weight gradient is the flipped problem's, flipped back."""
+
+    def __init__(self, op):
+        self.op = op
+
+    @staticmethod
+    def _flipped(params):
+        return dict(params, weight=params["weight"].flip(-2, -1))
+
+    def forward(self, attrs, xs, params, kernels):
+        return self.op.forward(attrs, xs, self._flipped(params), kernels)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        grads, param_grads = self.op.backward(attrs, g, xs, y, self._flipped(params), kernels, need)
+        return grads, dict(param_grads, weight=param_grads["weight"].flip(-2, -1))
+
 class Linear(Op):
     name = "linear"
     keys = {"in": REQUIRED, "out": REQUIRED, "bias": True}
     parametrised = True
+
+    reads_error_backward = True
+
+    torch_modules = (torch.nn.Linear,)
+
+    def from_torch_module(self, module):
+        return {"in": module.in_features, "out": module.out_features, "bias": module.bias is not None}
 
     def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
         abs_sum = self.forward(attrs, [xs[0].abs()], abs_params(params), kernels)

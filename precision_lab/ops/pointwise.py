@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import BoundContext, Field, GradField, Op, OpSpecError, register, sparse_enough
+from . import BoundContext, Field, GradField, Op, OpSpecError, OtherAttributes, PortSlip, Rule, register, sparse_enough
 from .. import formats
 
 #: z is read as its float32 rounding, |fl(z) − z| ≤ u₃₂·|z| (Higham 2002, Thm 2.2); 1 + 2u₃₂ covers that
@@ -42,10 +42,57 @@ def _may_flip(z: torch.Tensor, error: torch.Tensor) -> tuple[torch.Tensor, torch
     return widened, torch.le(z, widened).logical_and_(torch.add(z, widened) >= 0)
 
 
+#: other frameworks' defaults for a leaky ReLU's negative slope: a port that keeps its framework's default
+#: computes another function (PyTorch's and JAX's 0.01, tf.nn.leaky_relu's 0.2, Keras's LeakyReLU 0.3)
+LEAKY_SLOPE_DEFAULTS = {0.01: "PyTorch's and JAX's default", 0.2: "tf.nn.leaky_relu's default",
+                        0.3: "Keras's LeakyReLU default"}
+
+
+class UnmaskedReLU(Rule):
+    """A ReLU (or leaky ReLU) whose backward forgot the mask: its forward is the op's own."""
+
+    def __init__(self, op):
+        self.op = op
+
+    def forward(self, attrs, xs, params, kernels):
+        return self.op.forward(attrs, xs, params, kernels)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return [g], {}
+
+
+class BorrowedMaskReLU(UnmaskedReLU):
+    """A ReLU whose backward takes another ReLU's mask."""
+
+    def __init__(self, op, source: torch.Tensor):
+        super().__init__(op)
+        self.source = source
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return [g.masked_fill(self.source.to(g.dtype) <= 0, 0.0)], {}
+
+
 class ReLU(Op):
     name = "relu"
     elementwise = True
     slope = 0.0
+
+    masks = True
+    #: groups in which a mask missing from every such layer is one hypothesis
+    mask_groups = ("every ReLU's", "every ReLU and leaky ReLU")
+
+    torch_modules = (torch.nn.ReLU,)
+    torch_calls = (torch.relu, F.relu, "relu")
+
+    def port_slips(self, attrs, in_shape):
+        return [PortSlip("mask", "backward: mask missing", lambda: UnmaskedReLU(self), every=self.mask_groups),
+                PortSlip("mask", "backward: masked with {other}'s activation",
+                         lambda other_input: BorrowedMaskReLU(self, other_input), borrows=True)]
+
+    def local_slip(self, attrs, g, theirs, expected, bound, u, ratio):
+        if ratio(theirs, g, bound + u * g.abs().float()) <= 1.0:
+            return "mask missing (the gradient passes unmasked)"
+        return None
 
     def torch_forward(self, attrs, xs, module):
         return torch.relu(xs[0])
@@ -119,6 +166,26 @@ class LeakyReLU(ReLU):
     name = "leaky_relu"
     keys = {"slope": 0.01}
 
+    mask_groups = ("every ReLU and leaky ReLU",)
+
+    torch_modules = (torch.nn.LeakyReLU,)
+    torch_calls = (F.leaky_relu,)
+
+    def from_torch_module(self, module):
+        return {"slope": float(module.negative_slope)}
+
+    def from_torch_call(self, target, args, kwargs):
+        return {"slope": float(kwargs.get("negative_slope", args[1] if len(args) > 1 else 0.01))}
+
+    def port_slips(self, attrs, in_shape):
+        slips = super().port_slips(attrs, in_shape)
+        for slope, whose in LEAKY_SLOPE_DEFAULTS.items():
+            if not math.isclose(slope, attrs["slope"]):
+                slips.append(PortSlip("default", f"computed with a leaky ReLU slope of {slope:g} ({whose}) where the "
+                                                 f"spec says {attrs['slope']:g}: pass the slope explicitly",
+                                      lambda slope=slope: OtherAttributes(self, {"slope": slope}), forward=True))
+        return slips
+
     def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
         return u * abs(attrs["slope"]) * xs[0].abs() * (xs[0] < 0)
 
@@ -189,6 +256,8 @@ class Smooth(Op):
     elementwise = True
     second_derivative_bound = 1.0
 
+    reads_error_backward = True
+
     def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
         z = xs[0]
         return self.evaluation_error(attrs, z, y, self.df(attrs, z), u)
@@ -240,6 +309,9 @@ class Tanh(Smooth):
     name = "tanh"
     second_derivative_bound = 4 / (3 * math.sqrt(3))  # sup|tanh''| = 4/(3√3) at tanh z = 1/√3
 
+    torch_modules = (torch.nn.Tanh,)
+    torch_calls = (torch.tanh, F.tanh, "tanh")
+
     def torch_forward(self, attrs, xs, module):
         return torch.tanh(xs[0])
 
@@ -254,6 +326,9 @@ class Tanh(Smooth):
 class Sigmoid(Smooth):
     name = "sigmoid"
     second_derivative_bound = 1 / (6 * math.sqrt(3))  # sup|σ''| = 1/(6√3) at σ = 1/2 ± 1/(2√3)
+
+    torch_modules = (torch.nn.Sigmoid,)
+    torch_calls = (torch.sigmoid, F.sigmoid, "sigmoid")
 
     def torch_forward(self, attrs, xs, module):
         return torch.sigmoid(xs[0])
@@ -271,6 +346,25 @@ class GELU(Smooth):
     keys = {"approximate": "none"}
     #: sup|GELU''| = 2φ(0) = √(2/π) ≈ 0.798 (erf form: f'' = φ(z)(2 − z²)); the tanh form stays below 0.82
     second_derivative_bound = 0.82
+
+    torch_modules = (torch.nn.GELU,)
+    torch_calls = (F.gelu,)
+
+    def from_torch_module(self, module):
+        return {"approximate": module.approximate}
+
+    def from_torch_call(self, target, args, kwargs):
+        return {"approximate": kwargs.get("approximate", "none")}
+
+    def port_slips(self, attrs, in_shape):
+        if attrs["approximate"] == "none":
+            text, other = ("computed with GELU's tanh approximation where the spec says erf (jax.nn.gelu's default, "
+                           "tinygrad's gelu): use the exact form (approximate=False), or say \"approximate\": \"tanh\" "
+                           "in the spec"), "tanh"
+        else:
+            text, other = ("computed with GELU's exact (erf) form where the spec says the tanh approximation: use "
+                           "approximate=True, or drop \"approximate\" from the spec"), "none"
+        return [PortSlip("default", text, lambda: OtherAttributes(self, {"approximate": other}), forward=True)]
 
     def torch_forward(self, attrs, xs, module):
         return F.gelu(xs[0], approximate=attrs["approximate"])

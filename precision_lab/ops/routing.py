@@ -9,10 +9,13 @@ goes to another element: the whole |g| at each contender, deterministically, as 
 """
 from __future__ import annotations
 
+import operator
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import REQUIRED, Field, GradField, Op, OpSpecError, as_pair, gamma_over_lambda, gather_radius, register, spread
+from . import REQUIRED, BackwardReplaced, Field, GradField, Op, OpSpecError, PortSlip, Rule, as_pair, dropping_slips, gamma_over_lambda, gather_radius, register, spread
 
 
 def _has(t) -> bool:
@@ -44,8 +47,33 @@ def _resized(op, attrs, shape):
     return (shape[0],) + tuple(op.axis_length(attrs, [shape[1 + a]], a) for a in (0, 1))
 
 
+def _listed(value):
+    return list(value) if isinstance(value, (tuple, list)) else value
+
+
+def _integer_scale(scale):
+    scales = scale if isinstance(scale, (tuple, list)) else (scale, scale)
+    if any(float(s) != int(s) or int(s) < 1 for s in scales):
+        raise OpSpecError(f"upsampling scale {scale!r} is not a positive integer")
+    return [int(s) for s in scales] if scales[0] != scales[1] else int(scales[0])
+
 class Pool(Op):
     keys = {"kernel": REQUIRED, "stride": None, "padding": 0}
+
+    def call_inputs(self, tensors, args):
+        return tensors[:1]
+
+    def from_torch_module(self, module):
+        if module.ceil_mode or getattr(module, "dilation", 1) not in (1, (1, 1)) or getattr(
+                module, "divisor_override", None) is not None:
+            raise OpSpecError(f"{type(module).__name__} with ceil_mode, dilation or divisor_override is not supported")
+        return {"kernel": _listed(module.kernel_size), "stride": _listed(module.stride),
+                "padding": _listed(module.padding)}
+
+    def from_torch_call(self, target, args, kwargs):
+        kernel = kwargs.get("kernel_size", args[1] if len(args) > 1 else None)
+        stride = kwargs.get("stride", args[2] if len(args) > 2 else None)
+        return {"kernel": _listed(kernel)} | ({"stride": _listed(stride)} if stride is not None else {})
 
     def check(self, attrs):
         attrs["kernel"] = as_pair(attrs["kernel"], "kernel", 1)
@@ -105,6 +133,9 @@ class Pool(Op):
 class MaxPool2d(Pool):
     name = "max_pool2d"
 
+    torch_modules = (torch.nn.MaxPool2d,)
+    torch_calls = (F.max_pool2d,)
+
     def torch_forward(self, attrs, xs, module):
         return F.max_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"])
 
@@ -153,6 +184,13 @@ class AvgPool2d(Pool):
     name = "avg_pool2d"
     # PyTorch's flag and default: divide by k² (True) or by the window's in-bounds count (False, as TF's SAME)
     keys = {**Pool.keys, "count_include_pad": True}
+
+    torch_modules = (torch.nn.AvgPool2d,)
+    torch_calls = (F.avg_pool2d,)
+
+    def from_torch_module(self, module):
+        attrs = super().from_torch_module(module)
+        return attrs if module.count_include_pad else dict(attrs, count_include_pad=False)
 
     def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
         window_sum = self.forward(attrs, [xs[0].abs()], {}, None)
@@ -208,6 +246,35 @@ class UpsampleNearest(Op):
     name = "upsample_nearest"
     keys = {"scale": REQUIRED}
 
+    torch_modules = (torch.nn.Upsample,)
+    torch_calls = (F.interpolate,)
+
+    def call_inputs(self, tensors, args):
+        return tensors[:1]
+
+    def from_torch_module(self, module):
+        if module.mode != "nearest" or module.scale_factor is None:
+            raise OpSpecError(f"Upsample(mode={module.mode!r}, scale_factor={module.scale_factor}) — only nearest "
+                              f"upsampling by an integer scale_factor is supported")
+        return {"scale": _integer_scale(module.scale_factor)}
+
+    def from_torch_call(self, target, args, kwargs):
+        if kwargs.get("mode", "nearest") != "nearest" or kwargs.get("scale_factor") is None:
+            raise OpSpecError("interpolate other than mode='nearest' with a scale_factor")
+        return {"scale": _integer_scale(kwargs["scale_factor"])}
+
+    def port_slips(self, attrs, in_shape):
+        return [PortSlip("routing", "backward takes each block's first gradient instead of their sum",
+                         lambda: BackwardReplaced(self, _upsample_first)),
+                PortSlip("routing", "backward averages each block's gradients instead of summing them",
+                         lambda: BackwardReplaced(self, _upsample_mean))]
+
+    def local_slip(self, attrs, g, theirs, expected, bound, u, ratio):
+        sh, sw = attrs["scale"]
+        if ratio(theirs, expected / (sh * sw), bound) <= 1.0:
+            return "averages each block's gradient where it should sum it"
+        return None
+
     def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u, lam):
         (s_in,), _ = self.backward(attrs, g.abs(), xs, y, {}, kernels, need)
         return [gamma_over_lambda(attrs["scale"][0] * attrs["scale"][1], u, lam) * s_in]
@@ -261,6 +328,14 @@ class Add(Op):
     name = "add"
     combines = True
 
+    torch_calls = (operator.add, torch.add)
+
+    def call_inputs(self, tensors, args):
+        return tensors
+
+    def port_slips(self, attrs, in_shape):
+        return dropping_slips(self)
+
     def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
         return u * y.abs()
 
@@ -298,6 +373,21 @@ class Add(Op):
 class Concat(Op):
     name = "concat"
     combines = True
+
+    torch_calls = (torch.cat,)
+
+    def from_torch_call(self, target, args, kwargs):
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        if dim != 1:
+            raise OpSpecError(f"torch.cat along dim {dim}; only channels (dim=1) are supported")
+        return {}
+
+    def call_inputs(self, tensors, args):
+        return list(args[0])
+
+    def port_slips(self, attrs, in_shape):
+        return [PortSlip("routing", "joins the skip from {skip} first: the spec concatenates [previous, skip] along "
+                         "channels", ConcatSwapped, forward=True)] + dropping_slips(self)
 
     def torch_forward(self, attrs, xs, module):
         return torch.cat([xs[0], xs[1]], dim=1)
@@ -342,6 +432,34 @@ class Concat(Op):
 class Flatten(Op):
     name = "flatten"
 
+    flattens = True
+
+    torch_modules = (torch.nn.Flatten,)
+    torch_calls = (torch.flatten, "flatten")
+
+    def call_inputs(self, tensors, args):
+        return tensors[:1]
+
+    def from_torch_module(self, module):
+        if module.start_dim != 1 or module.end_dim != -1:
+            raise OpSpecError(f"Flatten(start_dim={module.start_dim}, end_dim={module.end_dim}): only flattening "
+                              f"everything but the batch (start_dim=1) is supported")
+        return {}
+
+    def from_torch_call(self, target, args, kwargs):
+        start = kwargs.get("start_dim", args[1] if len(args) > 1 else 0)
+        if start != 1:
+            raise OpSpecError(f"flatten from dim {start}; only start_dim=1 is supported")
+        return {}
+
+    def port_slips(self, attrs, in_shape):
+        if len(in_shape) != 3 or in_shape[0] < 2 or in_shape[1] * in_shape[2] < 2:
+            return []
+        c, h, w = in_shape
+        return [PortSlip("reorder", "flattens in (H, W, C) order where the spec flattens (C, H, W): permute to "
+                         "channels first before flattening, or permute the next layer's weight columns", FlattenHWC,
+                         forward=True, feature_order=np.arange(c * h * w).reshape(c, h, w).transpose(1, 2, 0).ravel())]
+
     def torch_forward(self, attrs, xs, module):
         return torch.flatten(xs[0], 1)
 
@@ -382,6 +500,12 @@ class ZeroPad2d(Op):
     name = "zero_pad2d"
     # `multiple`: the input side must be a multiple of it (TF's "same" with a stride pads so only then)
     keys = {"padding": REQUIRED, "multiple": 1}
+
+    torch_modules = (torch.nn.ZeroPad2d,)
+
+    def from_torch_module(self, module):
+        left, right, top, bottom = module.padding
+        return {"padding": [top, bottom, left, right]}
 
     def torch_forward(self, attrs, xs, module):
         top, bottom, left, right = attrs["padding"]
@@ -444,3 +568,40 @@ def _text(shape) -> str:
 
 for _op in (MaxPool2d(), AvgPool2d(), UpsampleNearest(), Add(), Concat(), Flatten(), ZeroPad2d()):
     register(_op)
+
+
+# ---------------------------------------------------------------------------------------------
+# what a port gets wrong
+
+
+def _upsample_first(op, attrs, g, xs, y, params, kernels, need):
+    sh, sw = attrs["scale"]
+    return [g[:, :, ::sh, ::sw].contiguous() if need[0] else None], {}
+
+
+def _upsample_mean(op, attrs, g, xs, y, params, kernels, need):
+    grads, _ = op.backward(attrs, g, xs, y, params, kernels, need)
+    return [None if h is None else h / (attrs["scale"][0] * attrs["scale"][1]) for h in grads], {}
+
+
+class ConcatSwapped(Rule):
+    """A concat that puts its second input (the skip) first: [skip, previous] where the spec says [previous, skip]."""
+
+    def forward(self, attrs, xs, params, kernels):
+        return torch.cat([xs[1], xs[0]], dim=1)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        split = xs[1].shape[1]
+        return [g[:, split:] if need[0] else None, g[:, :split] if need[1] else None], {}
+
+
+class FlattenHWC(Rule):
+    """A flatten in (H, W, C) order (a channels-last framework's habit) where the spec flattens (C, H, W)."""
+
+    def forward(self, attrs, xs, params, kernels):
+        x = xs[0]
+        return x.permute(0, 2, 3, 1).reshape(x.shape[0], -1)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        n, c, h, w = xs[0].shape
+        return [g.reshape(n, h, w, c).permute(0, 3, 1, 2).contiguous() if need[0] else None], {}

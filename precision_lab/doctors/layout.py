@@ -1,0 +1,116 @@
+"""The layout doctor, by buffer: a gradient read as the candidate wrote it, tried in every layout it could
+hold with every flip of H and W; the fix named in words a Fortran or CUDA programmer can apply."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from ..compute import GradBuffer, Result, Trace
+from ..findings import Finding
+from ..layout import canonical_for, from_layout, layout_for, shape_in_layout
+
+
+def transforms(ndim: int) -> list[tuple[str, tuple[str, ...]]]:
+    """Every (layout a buffer may hold, flipped axes) for a weight of `ndim` dimensions."""
+    canonical = canonical_for(ndim)
+    flips = [(), ("H",), ("W",), ("H", "W")] if ndim == 4 else [()]
+    return [("".join(p), f) for p in itertools.permutations(canonical) for f in flips]
+
+
+def transform_parts(held: str, declared: str, flipped: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """(('layout', 'IOHW'), ('flip', 'HW')): what a transform does, step by step (the layout only when it differs)."""
+    return ((("layout", held),) if held != declared else ()) + ((("flip", "".join(flipped)),) if flipped else ())
+
+
+def transform_name(held: str, declared: str, flipped: tuple[str, ...]) -> str:
+    """'layout OHWI', 'flip HW', 'layout IOHW + flip HW' (the layout named only when it differs)."""
+    return " + ".join(f"{kind} {value}" for kind, value in transform_parts(held, declared, flipped))
+
+
+def buffer_of(result: Result, name: str, got: np.ndarray) -> GradBuffer:
+    """The gradient as written: the bundle's buffer when it came through one, else the canonical array."""
+    if name in result.buffers:
+        return result.buffers[name]
+    return GradBuffer(np.ascontiguousarray(got).ravel(), canonical_for(got.ndim), "C")
+
+
+def read_buffer(buffer: GradBuffer, canonical_shape, held: str, flipped: tuple[str, ...]) -> np.ndarray:
+    """The buffer read as holding `held` (in the candidate's own index order), back to canonical, unflipped."""
+    c_layout = held if buffer.order == "C" else held[::-1]  # Fortran order is C order of the reversed axes
+    array = buffer.flat.reshape(shape_in_layout(canonical_shape, c_layout))
+    canonical = from_layout(array, c_layout)
+    axes = tuple(canonical_for(len(canonical_shape)).index(a) for a in flipped)
+    return np.flip(canonical, axis=axes) if axes else canonical
+
+
+def layout_fits(buffer: GradBuffer, ref: np.ndarray, bound: np.ndarray) -> list[tuple[str, tuple[str, ...]]]:
+    """Transforms that bring the buffer within `bound` of `ref`, simplest first (the declared reading excluded)."""
+    declared = layout_for(ref.ndim, buffer.declared) if len(buffer.declared) == 4 else buffer.declared
+    candidates = [(held, flipped) for held, flipped in transforms(ref.ndim) if (held, flipped) != (declared, ())]
+    candidates.sort(key=lambda c: (sum(a != b for a, b in zip(c[0], declared)) + len(c[1]), c))
+    fits = []
+    for held, flipped in candidates:
+        fixed = read_buffer(buffer, ref.shape, held, flipped)
+        if float(np.max(np.abs(fixed - ref) / bound)) <= 1.0:
+            fits.append((held, flipped))
+    return fits
+
+
+def layout_advice(name: str, buffer: GradBuffer, held: str, flipped: tuple[str, ...], ndim: int,
+                  also: tuple[str, ...] = ()) -> str:
+    """The fix in words: what the buffer holds, and how to convert it before writing.
+
+    Only the conversion is offered: re-declaring weight_layout would also change the layout the
+    request's weights arrive in, so it is not the same program with the bug fixed. `also` names the
+    other gradients the same fix applies to.
+    """
+    declared = layout_for(ndim, buffer.declared) if len(buffer.declared) == 4 else buffer.declared
+    order = "Fortran (column-major) order" if buffer.order == "F" else "C (row-major) order"
+    names = [name, *also]
+    it = "it" if len(names) == 1 else "each"
+    steps = []
+    if held != declared:
+        permutation = tuple(held.index(c) for c in declared)
+        steps.append(f"{it} holds {held} but is declared {declared} ({order}): transpose {it} to {declared} before "
+                     f"writing (numpy: g.transpose{permutation})")
+    if flipped:
+        axes = " and ".join(flipped)
+        steps.append(f"{it} is reversed along {axes}: flip {axes} before writing (a convolution where cuDNN and "
+                     f"PyTorch compute a cross-correlation, or a flip in the conversion)")
+    return ", ".join(f"{n}.grad" for n in names) + ": " + "; ".join(steps)
+
+
+def layouts(quantities, result: Result, reference: Trace, pairs, bounds) -> list[Finding]:
+    """Name the layout of every weight gradient beyond its bound that some transform fixes, and the fix in words."""
+    found, findings = {}, []  # name → (buffer, fits, ndim)
+    for name, q in quantities.items():
+        if q.verdict != "defect" or not math.isfinite(q.bound_ratio) or not name.endswith(".weight"):
+            continue
+        got, ref = pairs[name]
+        if ref.ndim not in (2, 4):
+            continue
+        buffer = buffer_of(result, name, got)
+        fits = layout_fits(buffer, ref, bounds[name].bound)
+        if not fits:
+            continue
+        declared = layout_for(ref.ndim, buffer.declared) if len(buffer.declared) == 4 else buffer.declared
+        names = [transform_name(held, declared, flipped) for held, flipped in fits]
+        parts = {n: transform_parts(held, declared, flipped) for n, (held, flipped) in zip(names, fits)}
+        findings.append(Finding("layout", name, "layout", names[0], f"matches within the bound after: {', '.join(names[:4])}",
+                                {"options": names, "parts": parts}))
+        found[name] = (buffer, fits, ref.ndim)
+    if found:
+        # one fix for every slipped buffer: the first transform all of them admit (verdict.overall names the
+        # same), told for the buffer it fits most plainly (one input channel makes OHWI and OHIW the same bytes)
+        first = next(iter(found.values()))[1]
+        common = [fit for fit in first if all(fit in fits for _, fits, _ in found.values())] or first[:1]
+        name = min((n for n in found if common[0] in found[n][1]), key=lambda n: len(found[n][1]))
+        buffer, _, ndim = found[name]
+        applies = [n for n in found if common[0] in found[n][1]]  # every buffer the fix applies to, in network order
+        findings.append(Finding("layout-advice", name=layout_advice(applies[0], buffer, common[0][0], common[0][1],
+                                                                      ndim, tuple(applies[1:]))))
+    return findings
+
+
