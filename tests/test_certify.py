@@ -1,4 +1,4 @@
-"""A verdict that cannot contradict its evidence (issue: never call a bug rounding on any network).
+"""A verdict that cannot contradict its evidence (the requirement: never call a bug rounding on any network).
 
 Within a bound as large as the quantity is not rounding (compare.CERTIFIABLE_FRACTION); a gradient that is
 exactly zero is a layer that received none; a named cause explains every defect or none is named."""
@@ -46,7 +46,7 @@ def test_measure_refuses_to_certify_a_bound_larger_than_the_quantity():
 
 
 def test_first_layer_off_the_tape_is_a_defect_named_as_such(tf_lenet):
-    # the issue's case: conv1 left off the tape comes back all zeros (seed 5: judged roundoff, exit 0, before)
+    # the reported case: conv1 left off the tape comes back all zeros (seed 5: judged roundoff, exit 0, before)
     network, problem, trace, result = tf_lenet
     zeroed = _copy(result, **{name: np.zeros_like(result.grads[name]) for name in ("conv1.weight", "conv1.bias")})
     judgement = judge(zeroed, trace, hypotheses=False)
@@ -100,10 +100,10 @@ def test_no_roundoff_next_to_a_lost_gradient_on_any_example(spec):
 
 
 def test_sampled_propagation_makes_the_classifier_bound_certifiable(tf_lenet):
-    """|W|·E alone gives conv1 a bound 3.2× its gradient here (docs/verdicts.md); the sampled propagation
+    """|W|·E alone gives conv1 a bound 3.2× its gradient here (docs/error-model.md); the sampled propagation
     (precision_lab.sampled) keeps the signs and must bring it well below the gradient, and still hold.
     Every quantity is sampled, those |W|·E can already certify too (the TF-like LeNet's dense layers and
-    logits: tightness 467 – 1.5·10⁴ with |W|·E, 41 – 390 sampled, docs/verdicts.md)."""
+    logits: tightness 467 – 1.5·10⁴ with |W|·E, 41 – 390 sampled, docs/results.md)."""
     from precision_lab import errmodel, sampled
     from precision_lab.compare import bound_fraction
 

@@ -16,7 +16,7 @@ from precision_lab.conv import NativeConv
 
 U32 = 2.0 ** -24  # float32 unit roundoff
 U_BF16 = 2.0 ** -8  # bfloat16 unit roundoff (docs/design.md, "Error-accumulation model")
-#: float64 algorithms must agree with PyTorch's float64 convolution to this (issue 5's 1e-13; u64 ≈ 1.1e-16)
+#: float64 algorithms must agree with PyTorch's float64 convolution to this (the reference's 1e-13 agreement target; u64 ≈ 1.1e-16)
 FLOAT64_AGREEMENT = 1e-13
 #: (N, C_in, C_out, H, W): odd sizes and few channels (padding and tiling edges), and the seed's 16→16
 SHAPES = [(2, 3, 5, 13, 11), (2, 16, 16, 24, 20), (1, 1, 16, 9, 17), (2, 16, 1, 10, 10)]

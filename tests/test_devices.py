@@ -1,4 +1,4 @@
-"""The GPU path (issue 11): every tensor follows the problem's device.
+"""The GPU path: every tensor follows the problem's device.
 
 Parametrised over the devices present (`cpu` always, `cuda` when available), so the same tests
 exercise the GPU on a GPU machine and stay green on CI. On any machine, a diagnosis run with

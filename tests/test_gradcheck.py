@@ -61,7 +61,7 @@ def relu_max_mlp(seed=0, n=64, d=8, hidden=32):
 
 
 def rbf_rational(seed=1, n=96, centers=12):
-    """Radial-basis features and a rational activation (the issue's first user), linear read-out."""
+    """Radial-basis features and a rational activation (the reference-free check's first user), linear read-out."""
     rng = np.random.default_rng(seed)
     x = rng.uniform(-1, 1, (n, 2))
     t = np.sin(3 * x[:, :1]) * np.cos(2 * x[:, 1:2])

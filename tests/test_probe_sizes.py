@@ -1,4 +1,4 @@
-"""Probes fit any network: every example network and a network around every op (issue: a flatten + linear
+"""Probes fit any network: every example network and a network around every op (a flatten + linear
 network once got a 3×18 probe that the size parser refused, so `diagnose` exited 2)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 12: repeats that catch a race, the layout doctor on a raw Fortran-order buffer, and the precision
+"""The probes' companions: repeats that catch a race, the layout doctor on a raw Fortran-order buffer, and the precision
 fingerprint firing on TF32 but not on legitimate float32 orders (FFT, Winograd)."""
 from __future__ import annotations
 

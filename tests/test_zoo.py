@@ -69,7 +69,7 @@ def test_sensitivity_to_a_single_element_slip(problem):
     native = registry()["native"].compute(problem)
     caught = {name: single_element_sensitivity(native, trace, name)[0] for name in WEIGHT_NAMES}
     print(f"\nsmallest caught relative slip of the largest element at {SIZE}²:", caught)
-    # the goal is 0.1% (met at 128² for conv2/conv3, see benchmarks/sensitivity.py); at 64²
+    # the sensitivity target is 0.1% (met at 128² for conv2/conv3, see benchmarks/sensitivity.py); at 64²
     # a 1% slip must be caught where the gradient is well conditioned (conv2, conv3) and 10% at conv1
     assert caught["conv2.weight"] is not None and caught["conv2.weight"] <= 1e-2
     assert caught["conv3.weight"] is not None and caught["conv3.weight"] <= 1e-2
