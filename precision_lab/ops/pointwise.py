@@ -255,7 +255,6 @@ class Smooth(Op):
 
     elementwise = True
     second_derivative_bound = 1.0
-
     reads_error_backward = True
 
     def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
