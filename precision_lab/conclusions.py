@@ -6,26 +6,19 @@ null hypothesis) and what to do. Nothing here is fixed text about an outcome: ev
 chosen by the verdicts and filled with the measured numbers, so a different run says different
 things. `run_summary` writes the index's opening paragraph from the notebooks' conclusions.
 
-The thresholds quoted are the experiments' own (imported, never restated): the rounding bound
-(error ÷ bound ≤ 1, precision_lab.verdict), the float64 vanishing boundary √(u64/u32)
-(experiments.float64_recompilation), the envelope margin (experiments.optimizer_step), the
-defect level relative to |g| (experiments.size_sweep).
+This module holds the data model and the words every conclusion shares (verdicts, transforms, actions);
+each experiment writes its own conclusion (`experiments.<experiment>.conclude`) with its own thresholds.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from .tables import (HtmlBlock, escape, format_factor, format_number, format_percent, format_range, format_reported,
-                     verdict_chip, verdict_class, verdict_legend)
+from .tables import HtmlBlock, escape, format_number, format_percent, verdict_chip, verdict_class, verdict_legend
 
 #: worst first: a candidate's overall verdict across experiments is the worst one (docs/design.md, "Verdicts")
 SEVERITY = ("defect", "layout", "reduced-precision", "inconclusive", "roundoff")
 NOTHING_TO_FIX = "The difference is rounding: nothing to fix."
-#: fitted exponents α of error ÷ (u·S) ∝ nᵅ (experiments.size_sweep): operand rounding in a coarser format predicts
-#: −0.5, float32 accumulation 0 (pairwise) to 0.5 (recursive), the worst case 1 (γₙ, Higham 2002, Lemma 3.1);
-#: each boundary is the midpoint between neighbouring predictions
-SHRINKING_BELOW, GROWING_ABOVE = -0.25, 0.75
 
 
 @dataclass
@@ -187,7 +180,7 @@ def action_for(judgement) -> str:
     return defect_action(judgement)
 
 
-def _worst(judgement, verdict: str | None = None):
+def worst_quantity(judgement, verdict: str | None = None):
     quantities = [q for q in judgement.quantities.values() if verdict is None or q.verdict == verdict]
     return max(quantities or judgement.quantities.values(), key=lambda q: q.bound_ratio)
 
@@ -206,7 +199,7 @@ def _transform_words(judgement) -> str:
 def judgement_phrase(judgement) -> str:
     """The judgement in one clause: 'within the float32 rounding bound (…)' / 'beyond it … matches once …'."""
     claimed = judgement.claimed_precision
-    worst = _worst(judgement)
+    worst = worst_quantity(judgement)
     if judgement.verdict == "roundoff":
         return (f"within the {claimed} rounding bound everywhere (worst: {worst.quantity}{_on(worst)}, error ÷ bound "
                 f"{format_number(worst.bound_ratio)})")
@@ -218,7 +211,7 @@ def judgement_phrase(judgement) -> str:
     if judgement.verdict == "reduced-precision":
         return (f"beyond the {claimed} bound in {names} (error ÷ bound up to {format_number(worst.bound_ratio)}) "
                 f"but within the {judgement.format} bound, with {judgement.format}'s error level")
-    bad = _worst(judgement, "defect")
+    bad = worst_quantity(judgement, "defect")
     return (f"beyond the {claimed} bound in {names} (error ÷ bound up to {format_number(bad.bound_ratio)}, "
             f"{bad.exceeding} of {bad.size} elements of {bad.quantity}{_on(bad)}), and no transform or coarser format "
             "explains it" + (f" ({judgement.cause})" if judgement.cause else ""))
@@ -231,7 +224,7 @@ def _on(q) -> str:
 
 def judgement_measurements(judgement) -> list[Measurement]:
     """The two or three numbers that decide a judgement, each against its bound."""
-    worst = _worst(judgement)
+    worst = worst_quantity(judgement)
     found = [Measurement(f"max error ÷ bound, {worst.quantity}{_on(worst)}", format_number(worst.bound_ratio),
                          f"rounding at {judgement.claimed_precision}: ≤ 1")]
     if judgement.verdict == "roundoff":
@@ -253,7 +246,7 @@ def judgement_measurements(judgement) -> list[Measurement]:
                                          format_number(q.format_bound_ratio), f"{q.format} rounding: ≤ 1"))
                 break
     else:
-        bad = _worst(judgement, "defect")
+        bad = worst_quantity(judgement, "defect")
         found.append(Measurement(f"elements of {bad.quantity} beyond the bound{_on(bad)}",
                                  f"{bad.exceeding} of {bad.size}", "rounding: 0"))
         found.append(Measurement(f"cosine similarity, {bad.quantity}{_on(bad)}", f"{bad.cosine:.6f}", "a layout slip or "
@@ -269,7 +262,7 @@ def from_judgement(judgement, experiment: str = "diagnose", lead: str | None = N
     return Conclusion(experiment, lead or f"{judgement.candidate} is {finding.verdict_text}.", [finding])
 
 
-def _verdict_groups(findings: list[Finding]) -> str:
+def verdict_groups(findings: list[Finding]) -> str:
     """'native, fortran-replay: roundoff; fortran-replay-flip: layout (flip HW)'."""
     groups: dict[tuple[str, str], list[str]] = {}
     for f in findings:
@@ -278,53 +271,11 @@ def _verdict_groups(findings: list[Finding]) -> str:
     return "; ".join(f"{', '.join(groups[key])}: {key[1]}" for key in order)
 
 
-def _action_for_verdict(verdict: str, judgement, override_reason: str) -> str:
+def action_for_verdict(verdict: str, judgement, override_reason: str) -> str:
     """The action when an experiment's verdict is the judgement's own, or the reason it overrides it."""
     if verdict == judgement.verdict:
         return action_for(judgement)
     return override_reason
-
-
-# ---------------------------------------------------------------------------------------------
-# 01 optimizer step
-
-
-def optimizer_step(summary, masking, envelope, judgements: dict, lr: float, adam_lr: float, steps: int | None = None,
-                   skipped=()) -> Conclusion:
-    """01: the gradient verdicts, what one SGD/Adam step shows of each error, and the k-step trajectories."""
-    from .experiments.optimizer_step import ENVELOPE_MARGIN, EXPERIMENT
-
-    masking = masking.set_index("candidate")
-    inside = {} if envelope is None else envelope.set_index("candidate").to_dict("index")
-    findings = []
-    for row in summary.itertuples():
-        judgement, m = judgements[row.candidate], masking.loc[row.candidate]
-        text = (f"Its gradients are {judgement_phrase(judgement)}. One SGD step (lr = {lr:g}) carries the gradient "
-                f"error unchanged into the update lr·g ({format_number(m.sgd_update_rel_err)} relative, against "
-                f"{format_number(m.grad_rel_err)} in the gradient) but shows it {format_factor(m.weights_hide_by)} "
-                f"smaller in the weights, where it changes {format_percent(m.error_visible_in_weights)} of the stored "
-                "float32 values.")
-        measurements = judgement_measurements(judgement)[:2] + [
-            Measurement("weights after one SGD step hide the gradient error by", format_factor(m.weights_hide_by),
-                        "the update lr·g hides nothing: compare updates")]
-        if row.candidate in inside:
-            e = inside[row.candidate]
-            where = "stay inside" if e["inside_envelope"] else "leave"
-            text += (f" Over {steps if steps is not None else 'k'} SGD steps its weights {where} the envelope of "
-                     f"legitimate float32 implementations (worst step at {format_factor(e['max_distance_over_envelope'])}"
-                     f" the envelope's edge).")
-            measurements.append(Measurement("weight distance to float64 ÷ envelope edge, worst step",
-                                            format_factor(e["max_distance_over_envelope"]),
-                                            f"inside: ≤ {ENVELOPE_MARGIN:g}×"))
-        findings.append(Finding(row.candidate, row.verdict, text, measurements, action_for(judgement),
-                                judgement_detail(judgement)))
-    hide = masking.weights_hide_by
-    lead = (f"Comparing weights after one SGD step (lr = {lr:g}) hides a gradient error by "
-            f"{format_range(hide.min(), hide.max())}×, and Adam's first step (lr = {adam_lr:g}) is lr·sign(g) in at "
-            f"least {format_percent(masking.adam_sign_only_fraction.min())} of elements, so neither comparison tells "
-            f"rounding from a bug; judged on the gradients (and the updates, which keep their error): "
-            f"{_verdict_groups(findings)}.")
-    return Conclusion(EXPERIMENT, lead, findings, _skipped_notes(skipped) + unprobed_notes(judgements))
 
 
 def unprobed_notes(decided) -> list[str]:
@@ -336,262 +287,8 @@ def unprobed_notes(decided) -> list[str]:
             "indexing slips that hide under its bound are not ruled out — run with the default probes for a verdict."]
 
 
-def _skipped_notes(skipped) -> list[str]:
+def skipped_notes(skipped) -> list[str]:
     return [f"Not run here: {note}." for note in skipped]
-
-
-# ---------------------------------------------------------------------------------------------
-# 02 float64 recompilation
-
-
-def float64_recompilation(summary, table, judgements: dict, skipped=()) -> Conclusion:
-    """02: does each candidate's error vanish when it is recompiled in float64?"""
-    from .experiments.float64_recompilation import EXPECTED_RATIO, EXPERIMENT, VANISH_THRESHOLD
-
-    findings, vanished, persisted, untested = [], [], [], []
-    against = (f"vanishes: ≤ {format_number(VANISH_THRESHOLD)}; rounding predicts {format_number(EXPECTED_RATIO)}, "
-               "a defect ≈ 1")
-    for row in summary.itertuples():
-        judgement = judgements[row.candidate]
-        group = table[(table.candidate == row.candidate) & (table.quantity != "loss")]
-        persists = group[group.finding == "persists in float64"]
-        worst_ratio = group.ratio.max()
-        measurements = []
-        if group.finding.eq("no float64 build").all():
-            untested.append(row.candidate)
-            text = ("It has no float64 build, so this experiment cannot show whether its error vanishes with the "
-                    f"arithmetic; the verdict rests on the float32 bound: its results are {judgement_phrase(judgement)}.")
-        elif len(persists):
-            persisted.append(row.candidate)
-            text = (f"Recompiled in float64, the error of {', '.join(persists.quantity)} stays (err64 ÷ err32 up to "
-                    f"{format_number(worst_ratio)}, where rounding error would fall to {format_number(EXPECTED_RATIO)}): "
-                    f"it does not come from the arithmetic. In float32 its results are {judgement_phrase(judgement)}.")
-        else:
-            vanished.append(row.candidate)
-            text = (f"Recompiled in float64, its error falls by a factor of at least "
-                    f"{format_number(1 / worst_ratio) if worst_ratio > 0 else '∞'} (worst err64 ÷ err32 "
-                    f"{format_number(worst_ratio)}): the difference comes from the arithmetic. In float32 its results are "
-                    f"{judgement_phrase(judgement)}.")
-        if not math.isnan(worst_ratio):
-            worst_q = group.loc[group.ratio.idxmax(), "quantity"]
-            measurements.append(Measurement(f"err64 ÷ err32, worst parameter ({worst_q})", format_number(worst_ratio),
-                                            against))
-        measurements += judgement_measurements(judgement)[:2]
-        override = (f"The error of {', '.join(persists.quantity)} does not vanish in float64, so it is not rounding "
-                    "whatever its size: find the bug in those gradients (precision-lab diagnose names the quantities "
-                    "and elements beyond the bound).")
-        findings.append(Finding(row.candidate, row.verdict, text, measurements,
-                                _action_for_verdict(row.verdict, judgement, override),
-                                judgement_detail(judgement) if row.verdict == judgement.verdict else ""))
-    clauses = []
-    if vanished:
-        clauses.append(f"the error vanishes with the arithmetic for {', '.join(vanished)}")
-    if persisted:
-        clauses.append(f"it stays for {', '.join(persisted)}, which is therefore not rounding")
-    if untested:
-        clauses.append(f"{', '.join(untested)} cannot be tested this way (no float64 build)")
-    lead = ("Recompiled in float64, " + "; ".join(clauses) + f". Verdicts: {_verdict_groups(findings)}."
-            if clauses else "No candidate ran.")
-    return Conclusion(EXPERIMENT, lead[0].upper() + lead[1:], findings, _skipped_notes(skipped) + unprobed_notes(judgements))
-
-
-# ---------------------------------------------------------------------------------------------
-# 03 size sweep
-
-
-def size_sweep(summary, table, fits, skipped=(), decisions: dict | None = None) -> Conclusion:
-    """03: how each candidate's error scales with the number of terms, and its decided verdict (`decisions`:
-    precision_lab.decision.Diagnosis by candidate, which names what the tables cannot: a probe's finding)."""
-    from .experiments.size_sweep import DEFECT_REL_TO_GRAD, EXPERIMENT
-
-    largest = int(table["size"].max())
-    sizes = sorted(int(s) for s in table["size"].unique())
-    findings = []
-    for row in summary.itertuples():
-        rows = table[table.candidate == row.candidate]
-        at_largest = rows[rows["size"] == largest]
-        worst_largest = at_largest.loc[at_largest.bound_ratio.idxmax()]
-        worst_any = rows.loc[rows.bound_ratio.idxmax()]
-        cand_fits = fits[fits.candidate == row.candidate]
-        weights = cand_fits[cand_fits.parameter.str.endswith("weight")]
-        alpha = float(weights.alpha_vs_S.median())
-        defect_like = cand_fits[cand_fits.min_err_over_grad >= DEFECT_REL_TO_GRAD]
-        decided = decisions[row.candidate].judgement() if decisions else None
-        detail = judgement_detail(decided) if decided is not None else ""
-        if len(defect_like):
-            level = format_range(defect_like.min_err_over_grad.min(), defect_like.min_err_over_grad.max())
-            text = (f"{', '.join(defect_like.parameter)} stay at {level} of max |g| or more at every size from "
-                    f"{sizes[0]} to {largest} pixels: rounding error stays far below |g| (under "
-                    f"{format_number(DEFECT_REL_TO_GRAD)} for every format the lab knows), a different function does not.")
-        elif worst_any.bound_ratio <= 1.0:
-            text = (f"Its gradients are within the float32 bound at every size from {sizes[0]} to {largest} pixels; "
-                    f"the error grows like n^{alpha:.2f} relative to u·S (recursive summation's probabilistic growth is "
-                    "n^0.5, pairwise summation's about log n).")
-        else:
-            trend = ("shrinks relative to u·S as n grows, the signature of operands rounded to a coarser format"
-                     if alpha < SHRINKING_BELOW else "grows relative to u·S faster than float32 accumulation explains"
-                     if alpha > GROWING_ABOVE else "scales like float32 accumulation relative to u·S (n^0 to n^0.5)")
-            text = (f"Its gradients exceed the float32 bound (worst: {worst_any.parameter} at {int(worst_any['size'])} "
-                    f"pixels, error ÷ bound {format_number(worst_any.bound_ratio)}; at {largest} pixels "
-                    f"{format_number(worst_largest.bound_ratio)}), and the error {trend} (n^{alpha:.2f}).")
-        if row.verdict != "roundoff" and worst_largest.bound_ratio <= 1.0 and not len(defect_like):
-            where = (f" on {decisions[row.candidate].summary().decided_by}" if decisions else "")
-            text += (f" At {largest} pixels its gradients are within the bound, but the decision, which also judges "
-                     f"the loss, the forward output, the other sizes and the probes, finds it {row.verdict}{where}"
-                     + (f": {decided.cause or detail}" if decided is not None and (decided.cause or detail) else "")
-                     + ".")
-        measurements = [
-            Measurement(f"max error ÷ bound at {largest} × {largest}, {worst_largest.parameter}",
-                        format_number(worst_largest.bound_ratio), "rounding: ≤ 1")]
-        if int(worst_any["size"]) != largest and worst_any.bound_ratio > 1.0:
-            measurements.append(Measurement(f"max error ÷ bound over sizes, {worst_any.parameter} at "
-                                            f"{int(worst_any['size'])} pixels", format_number(worst_any.bound_ratio),
-                                            "rounding: ≤ 1"))
-        measurements += [
-            Measurement("fitted exponent α of error ÷ (u·S) ∝ nᵅ (weights, median)", f"{alpha:.2f}",
-                        "float32 accumulation: 0 (pairwise) to 0.5 (recursive); input rounding: < 0"),
-            Measurement("smallest max |error| ÷ max |g| over sizes (worst gradient)",
-                        format_number(cand_fits.min_err_over_grad.max()),
-                        f"a defect stays ≥ {format_number(DEFECT_REL_TO_GRAD)} at every size")]
-        if decided is not None and worst_largest.bound_ratio <= 1.0 and row.verdict != "roundoff":
-            measurements += judgement_measurements(decided)[:2]
-        action = (action_for(decided) if decided is not None and (row.verdict != "defect" or not len(defect_like))
-                  else _action_from_verdict(row.verdict, detail, defect_like, at_largest))
-        findings.append(Finding(row.candidate, row.verdict, text, measurements, action, detail))
-    lead = (f"Across sizes {', '.join(map(str, sizes))} (n = batch·H·W up to {format_number(int(table.n.max()))} terms "
-            f"per weight-gradient sum): {_verdict_groups(findings)}.")
-    return Conclusion(EXPERIMENT, lead, findings, _skipped_notes(skipped) + unprobed_notes(decisions))
-
-
-def _action_from_verdict(verdict: str, detail: str, defect_like, at_largest) -> str:
-    """An action when only the verdict and its detail are known (tables, not a Judgement)."""
-    if verdict == "roundoff":
-        return NOTHING_TO_FIX
-    if verdict == "layout" and detail:
-        return f"Fix the layout: the gradient matches after {detail} (precision-lab diagnose says how, buffer by buffer)."
-    if verdict == "reduced-precision" and detail:
-        return precision_action(detail)
-    bad = at_largest[at_largest.bound_ratio > 1.0]
-    names = list(defect_like.parameter) if len(defect_like) else list(bad.parameter)
-    if not names:
-        return (f"The verdict ({verdict}) comes from quantities this sweep does not tabulate (the loss or the forward "
-                "output): precision-lab diagnose at the largest size names them and their elements.")
-    return (f"Find the bug: {', '.join(names)} are beyond the rounding bound"
-            + (f" (error ÷ bound up to {format_number(bad.bound_ratio.max())} at the largest size)" if len(bad) else "")
-            + " and no transform or coarser format explains them; precision-lab diagnose names the elements.")
-
-
-# ---------------------------------------------------------------------------------------------
-# 04 motivating case
-
-
-def _as_reported(low, high) -> str:
-    """The seed's figures as it wrote them (0.049–0.29), not padded to three digits it never gave."""
-    return f"{format_reported(low)}–{format_reported(high)}" if low != high else format_reported(low)
-
-
-def motivating_case(summary, table, judgements: dict) -> Conclusion:
-    """04: the seed's question — were its 0.05–0.29 weight-gradient differences rounding?"""
-    from .experiments.motivating import EXPERIMENT, REPLAY, REPLAY_SLIP
-
-    weights = table[table.quantity.str.endswith("weight")]
-    others = table[~table.quantity.str.endswith("weight")]
-    seed_range = _as_reported(weights.seed_max_abs.min(), weights.seed_max_abs.max())
-    findings = []
-    for row in summary.itertuples():
-        judgement = judgements[row.candidate]
-        column = f"{row.candidate}_max_abs"
-        weight_range = format_range(weights[column].min(), weights[column].max())
-        other_range = format_range(others[column].min(), others[column].max())
-        ratio = (weights[column] / weights.seed_max_abs).where(weights[column] > 0)
-        if weights[column].max() == 0:
-            text = "Its weight gradients are identical to PyTorch's, bit for bit"
-        else:
-            factor = float(ratio.median()) if ratio.notna().any() else math.nan
-            relation = ("the seed's magnitude" if 1 / 3 <= factor <= 3 else
-                        f"the seed's were {format_number(1 / factor)} times larger" if factor < 1 else
-                        f"{format_number(factor)} times the seed's")
-            text = (f"Its weight gradients differ from PyTorch's by {weight_range} (the seed reported {seed_range}: "
-                    f"{relation}), its loss and bias gradients by {other_range}")
-        text += f"; against the float64 reference its results are {judgement_phrase(judgement)}."
-        measurements = [Measurement("weight-gradient differences from PyTorch, max |difference|", weight_range,
-                                    f"seed's report: {seed_range}")]
-        measurements += judgement_measurements(judgement)[:2]
-        findings.append(Finding(row.candidate, row.verdict, text, measurements, action_for(judgement),
-                                judgement_detail(judgement)))
-    slip, faithful = judgements.get(REPLAY_SLIP), judgements.get(REPLAY)
-    bound = format_number(weights.bound_max.max())
-    if slip is not None and faithful is not None and slip.verdict != "roundoff" and faithful.verdict == "roundoff":
-        cause = (f"a spatial flip in the gradient conversion ({slip.layout_fix})" if slip.verdict == "layout"
-                 else f"the conversion ({slip.verdict})")
-        lead = (f"The seed's weight-gradient differences ({seed_range}) were not floating-point accumulation but "
-                f"{cause}: replaying its design with that conversion gives differences of the same kind "
-                f"({format_range(weights[f'{REPLAY_SLIP}_max_abs'].min(), weights[f'{REPLAY_SLIP}_max_abs'].max())}, "
-                f"error ÷ bound up to {format_number(_worst(slip).bound_ratio)}, where the float32 rounding bound is at "
-                f"most {bound}), while the same design without the flip is within rounding "
-                f"(error ÷ bound ≤ {format_number(_worst(faithful).bound_ratio)}).")
-    else:
-        lead = (f"The replays do not settle the seed's question on this run: {_verdict_groups(findings)} "
-                f"(the float32 rounding bound of the weight gradients is at most {bound}).")
-    return Conclusion(EXPERIMENT, lead, findings, unprobed_notes(judgements))
-
-
-# ---------------------------------------------------------------------------------------------
-# 05 convolution algorithms
-
-
-def conv_algorithms(summary, table, decisions: dict | None = None) -> Conclusion:
-    """05: is each convolution algorithm a legitimate float32 implementation, and how much budget does it use?
-    (`decisions`: precision_lab.decision.Diagnosis by algorithm, which says where a verdict the tables cannot
-    show was found.)"""
-    from .experiments.algorithms import EXPERIMENT
-
-    sizes = sorted(int(s) for s in table["size"].unique())
-    findings, budget = [], {}
-    for row in summary.itertuples():
-        rows = table[table.algorithm == row.candidate]
-        worst = rows.loc[rows.bound_ratio.idxmax()]
-        budget[row.candidate] = float(worst.bound_ratio)
-        if row.verdict == "roundoff":
-            text = (f"Within the float32 rounding bound at every size from {sizes[0]} to {sizes[-1]} pixels; it uses at "
-                    f"most {format_percent(worst.bound_ratio)} of the bound ({worst.quantity} at {int(worst['size'])} "
-                    "pixels).")
-            action = "A legitimate float32 algorithm: nothing to fix."
-        elif (rows.bound_ratio > 1.0).any():
-            beyond = rows[rows.bound_ratio > 1.0]
-            text = (f"Beyond the float32 bound in {len(beyond)} of {len(rows)} gradients across sizes (worst "
-                    f"{worst.quantity} at {int(worst['size'])} pixels, error ÷ bound {format_number(worst.bound_ratio)}).")
-            action = (f"Not a float32-accurate algorithm at these sizes: use it only with a coarser claim, or find the "
-                      f"error in its {worst.quantity} computation.")
-        else:
-            flagged = sorted({int(s) for s in rows[rows.overall != "roundoff"]["size"]})
-            where = (decisions[row.candidate].summary().decided_by if decisions else
-                     f"{', '.join(map(str, flagged))} pixels")
-            text = (f"Its gradients are within the float32 bound at every size (worst {worst.quantity} at "
-                    f"{int(worst['size'])} pixels, error ÷ bound {format_number(worst.bound_ratio)}), but the decision, "
-                    f"which also judges the loss, the forward output and the probes, finds it {row.verdict} on {where}.")
-            action = (action_for(decisions[row.candidate].judgement()) if decisions else
-                      "Not float32-accurate in its loss or forward output: precision-lab diagnose names the quantities "
-                      "and elements beyond the bound.")
-        measurements = [Measurement(f"worst error ÷ bound over sizes ({worst.quantity}, {int(worst['size'])} pixels)",
-                                    format_number(worst.bound_ratio), "rounding: ≤ 1"),
-                        Measurement("gradients beyond the bound", f"{int((rows.bound_ratio > 1).sum())} of {len(rows)}",
-                                    "rounding: 0")]
-        findings.append(Finding(row.candidate, row.verdict, text, measurements, action))
-    legit = [f.candidate for f in findings if f.verdict == "roundoff"]
-    most = max(budget, key=budget.get) if budget else None
-    least = min(budget, key=budget.get) if budget else None
-    lead = (f"{len(legit)} of {len(findings)} algorithms are legitimate float32 implementations at every size "
-            f"from {sizes[0]} to {sizes[-1]} pixels" + (f" (not: {', '.join(f.candidate for f in findings if f.verdict != 'roundoff')})"
-                                                       if len(legit) < len(findings) else "")
-            + (f"; {most} uses the most of the rounding bound ({format_percent(budget[most])}), {least} the least "
-               f"({format_percent(budget[least])})" if most else "") + ".")
-    if "winograd-f2x3" in budget and "winograd-f4x3" in budget:
-        f2, f4 = budget["winograd-f2x3"], budget["winograd-f4x3"]
-        lead += (f" Winograd F(4,3) uses {'more' if f4 > f2 else 'no more'} of it than F(2,3) ({format_percent(f4)} "
-                 f"against {format_percent(f2)}), {'as' if f4 > f2 else 'unlike what'} the larger tile's error growth "
-                 "(Barabasz et al. 2020) predicts.")
-    return Conclusion(EXPERIMENT, lead, findings, unprobed_notes(decisions))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -651,10 +348,10 @@ def _experiments_in_words(group) -> str:
     return "; ".join(f"{verdict} in {', '.join(where)}" for verdict, where in by_verdict.items())
 
 
-__all__ = ["Conclusion", "Finding", "Measurement", "NOTHING_TO_FIX", "action_for", "conv_algorithms",
-           "describe_transform", "float64_recompilation", "from_judgement", "judgement_measurements",
-           "judgement_phrase", "layout_action", "motivating_case", "optimizer_step", "precision_action",
-           "run_summary", "size_sweep", "worst_verdict"]
+__all__ = ["Conclusion", "Finding", "Measurement", "NOTHING_TO_FIX", "action_for", "action_for_verdict",
+           "describe_transform", "from_judgement", "judgement_detail", "judgement_measurements", "judgement_phrase",
+           "layout_action", "precision_action", "run_summary", "skipped_notes", "unprobed_notes", "verdict_groups",
+           "worst_quantity", "worst_verdict"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -697,6 +394,6 @@ def gradient_check(summary, tensors, results: dict, rates, rtol: float, practice
     practice = "; ".join(f"{name}: {format_percent(at.pass_rate[name])} pass at ε = {practice_epsilon:g}"
                          for name in at.index)
     lead = (f"Directional differences checked against the float64 build settle each gradient "
-            f"({_verdict_groups(findings)}); float32 central differences at rtol {rtol:g} cannot: {practice}, "
+            f"({verdict_groups(findings)}); float32 central differences at rtol {rtol:g} cannot: {practice}, "
             f"a pass rate set by ε and the loss's rounding noise, not by whether the gradient is right.")
     return Conclusion("06-gradient-check", lead, findings)

@@ -107,10 +107,9 @@ def masking_figure(step_table: pd.DataFrame):
     return _finish(fig, ax)
 
 
-def trajectory_figure(traj: pd.DataFrame, steps_label: str = "SGD step", margin: float | None = None):
-    """01: loss difference and weight distance to the float64 trajectory, envelope shaded, its limit dashed."""
-    if margin is None:
-        from .experiments.optimizer_step import ENVELOPE_MARGIN as margin
+def trajectory_figure(traj: pd.DataFrame, margin: float, steps_label: str = "SGD step"):
+    """01: loss difference and weight distance to the float64 trajectory, envelope shaded, its limit (the envelope
+    times `margin`, experiments.optimizer_step.ENVELOPE_MARGIN) dashed."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.9))
     colours = _candidate_colours(traj.member)
     envelope = traj[traj.role.isin(["envelope", "both"])].groupby("step").weight_distance.agg(["min", "max"])
@@ -165,9 +164,9 @@ def recompilation_figure(table: pd.DataFrame):
     return _finish(fig, ax)
 
 
-def sweep_figure(table: pd.DataFrame):
-    """03: err/(u·S) against n per weight gradient, with √n and log₂n lines; err/|g| below with the defect level."""
-    from .experiments.size_sweep import DEFECT_REL_TO_GRAD
+def sweep_figure(table: pd.DataFrame, defect_level: float):
+    """03: err/(u·S) against n per weight gradient, with √n and log₂n lines; err/|g| below with the defect level
+    (experiments.size_sweep.DEFECT_REL_TO_GRAD)."""
 
     weight_names = [p for p in dict.fromkeys(table.parameter) if p.endswith(".weight")]
     fig, axes = plt.subplots(2, len(weight_names), figsize=(4 * len(weight_names), 6.8), sharex=True,
@@ -182,8 +181,8 @@ def sweep_figure(table: pd.DataFrame):
             bottom.plot(group.n, group.err_over_grad, "o-", color=colours[candidate], ms=3)
         top.plot(n, np.sqrt(n), "k--", lw=1, label="√n (recursive summation, probabilistic)")
         top.plot(n, np.log2(n), "k:", lw=1, label="log₂ n (pairwise summation)")
-        bottom.axhline(DEFECT_REL_TO_GRAD, color="#c92a2a", ls="--", lw=1,
-                       label=f"defect level {DEFECT_REL_TO_GRAD:.2g} (10·u of bfloat16)")
+        bottom.axhline(defect_level, color="#c92a2a", ls="--", lw=1,
+                       label=f"defect level {defect_level:.2g} (10·u of bfloat16)")
         top.set_title(name)
         for ax in (top, bottom):
             ax.set_xscale("log")

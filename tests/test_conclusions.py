@@ -103,7 +103,7 @@ def test_optimizer_step_conclusion_quotes_the_masking_and_the_envelope(small_pro
     envelope = optimizer_step.envelope_verdicts(traj)
     decisions = decide_all(small_problem, chosen, CPU, judgements, probes="none")
     summary = optimizer_step.summarise(decisions, masking, envelope)
-    c = conclusions.optimizer_step(summary, masking, envelope, decided_judgements(decisions), lr=0.01, adam_lr=0.001, steps=2,
+    c = optimizer_step.conclude(summary, masking, envelope, decided_judgements(decisions), lr=0.01, adam_lr=0.001, steps=2,
                                    skipped=["native-tf32: needs cuda, this run is on cpu"])
     hide = masking.set_index("candidate").weights_hide_by
     assert f"hides a gradient error by {format_number(hide.min())}–{format_number(hide.max())}×" in c.lead
@@ -122,7 +122,7 @@ def test_recompilation_conclusion_separates_what_vanishes_from_what_stays(small_
     chosen = [get_builtin("native"), get_builtin("fortran-replay-flip")]
     table, decisions, _ = float64_recompilation.recompilation_table(small_problem, chosen, CPU, probes="none")
     summary = float64_recompilation.summarise(table, decisions)
-    c = conclusions.float64_recompilation(summary, table, decided_judgements(decisions))
+    c = float64_recompilation.conclude(summary, table, decided_judgements(decisions))
     assert "the error vanishes with the arithmetic for native" in c.lead
     assert "it stays for fortran-replay-flip, which is therefore not rounding" in c.lead
     flip = next(f for f in c.findings if f.candidate == "fortran-replay-flip")
@@ -136,7 +136,7 @@ def test_size_sweep_conclusion_names_the_transform_from_the_sweep_table():
     table, decisions = size_sweep.sweep([16, 32], chosen, CPU, probes="none")
     fits = size_sweep.signature(size_sweep.fit_exponents(table))
     summary = size_sweep.summarise(table, fits, decisions)
-    c = conclusions.size_sweep(summary, table, fits, decisions=decisions)
+    c = size_sweep.conclude(summary, table, fits, decisions=decisions)
     flip = next(f for f in c.findings if f.candidate == "fortran-replay-flip")
     assert flip.detail == "flip HW" and "flip H and W" in flip.action
     native = next(f for f in c.findings if f.candidate == "native")
@@ -147,7 +147,7 @@ def test_motivating_conclusion_answers_the_seeds_question_with_the_seeds_own_fig
     problem = make_problem(32, 2, 0)
     table, decisions = motivating.replay(problem, CPU, probes="none")
     summary = motivating.summarise(table, decisions)
-    c = conclusions.motivating_case(summary, table, decided_judgements(decisions))
+    c = motivating.conclude(summary, table, decided_judgements(decisions))
     assert c.lead.startswith("The seed's weight-gradient differences (0.049–0.29) were not floating-point accumulation")
     assert "(flip HW)" in c.lead
     headline = summary.set_index("candidate").headline
@@ -165,13 +165,13 @@ def test_algorithm_conclusion_changes_with_the_numbers():
                          "seconds": 0.1})
     table = pd.DataFrame(rows)
     fine = _decided("native", "roundoff", **{"winograd-f2x3": "roundoff", "winograd-f4x3": "roundoff"})
-    c = conclusions.conv_algorithms(algorithms.summary(table, fine), table, fine)
+    c = algorithms.conclude(algorithms.summary(table, fine), table, fine)
     assert c.lead.startswith("3 of 3 algorithms are legitimate float32 implementations")
     assert "Winograd F(4,3) uses more of it than F(2,3) (1.40% against 0.200%), as the larger tile's" in c.lead
     broken = table.copy()
     broken.loc[broken.algorithm == "winograd-f4x3", ["bound_ratio", "verdict", "overall"]] = [3.5, "defect", "defect"]
     flagged = _decided("native", "roundoff", **{"winograd-f2x3": "roundoff", "winograd-f4x3": "defect"})
-    c2 = conclusions.conv_algorithms(algorithms.summary(broken, flagged), broken, flagged)
+    c2 = algorithms.conclude(algorithms.summary(broken, flagged), broken, flagged)
     assert c2.lead.startswith("2 of 3 algorithms") and "(not: winograd-f4x3)" in c2.lead
     f4 = next(f for f in c2.findings if f.candidate == "winograd-f4x3")
     assert f4.verdict == "defect" and "error ÷ bound 3.50" in f4.finding
@@ -228,7 +228,7 @@ def test_size_sweep_conclusion_when_only_the_loss_or_output_is_beyond_at_the_lar
     table = pd.DataFrame(_sweep_rows("tf32-emulated", {64: 3.2, 256: 1.4, 1024: 0.748}, "reduced-precision", "tf32"))
     fits = size_sweep.signature(size_sweep.fit_exponents(table))
     decisions = _decided("tf32-emulated", "reduced-precision", "tf32")
-    c = conclusions.size_sweep(size_sweep.summarise(table, fits, decisions), table, fits, decisions=decisions)
+    c = size_sweep.conclude(size_sweep.summarise(table, fits, decisions), table, fits, decisions=decisions)
     finding = c.findings[0]
     assert finding.verdict_text == "reduced-precision (tf32)"
     assert finding.action == conclusions.precision_action("tf32")
@@ -241,7 +241,7 @@ def test_size_sweep_defect_without_a_name_says_where_to_look_not_an_empty_list()
     table = pd.DataFrame(_sweep_rows("mine", {64: 0.5, 1024: 0.6}, "defect"))
     fits = size_sweep.signature(size_sweep.fit_exponents(table))
     decisions = _decided("mine", "defect")
-    finding = conclusions.size_sweep(size_sweep.summarise(table, fits, decisions), table, fits,
+    finding = size_sweep.conclude(size_sweep.summarise(table, fits, decisions), table, fits,
                                      decisions=decisions).findings[0]
     assert finding.verdict == "defect" and "Find the bug" in finding.action
     assert ": are" not in finding.action
@@ -253,7 +253,7 @@ def test_algorithm_flagged_only_outside_its_gradients_says_so():
              "overall": "reduced-precision" if size == 64 else "roundoff", "seconds": 0.1} for size in (32, 64)]
     table = pd.DataFrame(rows)
     decisions = _decided("odd", "reduced-precision", "tf32")
-    finding = conclusions.conv_algorithms(algorithms.summary(table, decisions), table, decisions).findings[0]
+    finding = algorithms.conclude(algorithms.summary(table, decisions), table, decisions).findings[0]
     assert finding.verdict == "reduced-precision"
     assert "within the float32 bound at every size" in finding.finding
     assert "finds it reduced-precision on the requested problem" in finding.finding
@@ -266,7 +266,7 @@ def test_an_unprobed_run_says_so_in_its_conclusion(small_problem):
     for probes, said in (("none", True), ("default", False)):
         decisions = decide_all(small_problem, chosen, CPU, judgements, probes=probes)
         table, decided, _ = float64_recompilation.recompilation_table(small_problem, chosen, CPU, probes=probes)
-        c = conclusions.float64_recompilation(float64_recompilation.summarise(table, decided), table,
+        c = float64_recompilation.conclude(float64_recompilation.summarise(table, decided), table,
                                               decided_judgements(decided))
         assert any(note.startswith("Unprobed: native") for note in c.notes) == said
         summary = float64_recompilation.summarise(table, decided).set_index("candidate")

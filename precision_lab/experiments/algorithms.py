@@ -15,15 +15,16 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
+from ..candidates import Candidate
+from ..compute import forward_backward
+from ..conclusions import Conclusion, Finding, Measurement, action_for, unprobed_notes
 from ..conv import get_algorithm, record_kernels
 from ..conv.backends import native_flags
-from ..compute import forward_backward
 from ..ops import Kernels
-from ..problem import make_problem
-from ..tables import format_number
-from ..verdict import judge
-from ..candidates import Candidate
 from ..probes import ProbeRun
+from ..problem import make_problem
+from ..tables import format_number, format_percent
+from ..verdict import judge
 from . import cached_reference, decide_candidate, progress, summary_row
 
 EXPERIMENT = "05-conv-algorithms"
@@ -155,3 +156,60 @@ def headline_figure(table: pd.DataFrame):
                      + (f" ({', '.join(above)} crosses it)" if above else ", and every one does")
                      + "; right: what each costs on this machine (one run per point, so small differences are noise).")
     return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# the conclusion
+
+
+def conclude(summary, table, decisions: dict | None = None) -> Conclusion:
+    """05: is each convolution algorithm a legitimate float32 implementation, and how much budget does it use?
+    (`decisions`: precision_lab.decision.Diagnosis by algorithm, which says where a verdict the tables cannot
+    show was found.)"""
+
+    sizes = sorted(int(s) for s in table["size"].unique())
+    findings, budget = [], {}
+    for row in summary.itertuples():
+        rows = table[table.algorithm == row.candidate]
+        worst = rows.loc[rows.bound_ratio.idxmax()]
+        budget[row.candidate] = float(worst.bound_ratio)
+        if row.verdict == "roundoff":
+            text = (f"Within the float32 rounding bound at every size from {sizes[0]} to {sizes[-1]} pixels; it uses at "
+                    f"most {format_percent(worst.bound_ratio)} of the bound ({worst.quantity} at {int(worst['size'])} "
+                    "pixels).")
+            action = "A legitimate float32 algorithm: nothing to fix."
+        elif (rows.bound_ratio > 1.0).any():
+            beyond = rows[rows.bound_ratio > 1.0]
+            text = (f"Beyond the float32 bound in {len(beyond)} of {len(rows)} gradients across sizes (worst "
+                    f"{worst.quantity} at {int(worst['size'])} pixels, error ÷ bound {format_number(worst.bound_ratio)}).")
+            action = (f"Not a float32-accurate algorithm at these sizes: use it only with a coarser claim, or find the "
+                      f"error in its {worst.quantity} computation.")
+        else:
+            flagged = sorted({int(s) for s in rows[rows.overall != "roundoff"]["size"]})
+            where = (decisions[row.candidate].summary().decided_by if decisions else
+                     f"{', '.join(map(str, flagged))} pixels")
+            text = (f"Its gradients are within the float32 bound at every size (worst {worst.quantity} at "
+                    f"{int(worst['size'])} pixels, error ÷ bound {format_number(worst.bound_ratio)}), but the decision, "
+                    f"which also judges the loss, the forward output and the probes, finds it {row.verdict} on {where}.")
+            action = (action_for(decisions[row.candidate].judgement()) if decisions else
+                      "Not float32-accurate in its loss or forward output: precision-lab diagnose names the quantities "
+                      "and elements beyond the bound.")
+        measurements = [Measurement(f"worst error ÷ bound over sizes ({worst.quantity}, {int(worst['size'])} pixels)",
+                                    format_number(worst.bound_ratio), "rounding: ≤ 1"),
+                        Measurement("gradients beyond the bound", f"{int((rows.bound_ratio > 1).sum())} of {len(rows)}",
+                                    "rounding: 0")]
+        findings.append(Finding(row.candidate, row.verdict, text, measurements, action))
+    legit = [f.candidate for f in findings if f.verdict == "roundoff"]
+    most = max(budget, key=budget.get) if budget else None
+    least = min(budget, key=budget.get) if budget else None
+    lead = (f"{len(legit)} of {len(findings)} algorithms are legitimate float32 implementations at every size "
+            f"from {sizes[0]} to {sizes[-1]} pixels" + (f" (not: {', '.join(f.candidate for f in findings if f.verdict != 'roundoff')})"
+                                                       if len(legit) < len(findings) else "")
+            + (f"; {most} uses the most of the rounding bound ({format_percent(budget[most])}), {least} the least "
+               f"({format_percent(budget[least])})" if most else "") + ".")
+    if "winograd-f2x3" in budget and "winograd-f4x3" in budget:
+        f2, f4 = budget["winograd-f2x3"], budget["winograd-f4x3"]
+        lead += (f" Winograd F(4,3) uses {'more' if f4 > f2 else 'no more'} of it than F(2,3) ({format_percent(f4)} "
+                 f"against {format_percent(f2)}), {'as' if f4 > f2 else 'unlike what'} the larger tile's error growth "
+                 "(Barabasz et al. 2020) predicts.")
+    return Conclusion(EXPERIMENT, lead, findings, unprobed_notes(decisions))

@@ -18,6 +18,8 @@ import pandas as pd
 import torch
 
 from ..candidates import Candidate
+from ..conclusions import (Conclusion, Finding, Measurement, action_for_verdict, judgement_detail,
+                           judgement_measurements, judgement_phrase, skipped_notes, unprobed_notes, verdict_groups)
 from ..formats import unit_roundoff
 from ..problem import Problem
 from ..tables import format_number
@@ -107,3 +109,57 @@ def summarise(table: pd.DataFrame, decisions: dict) -> pd.DataFrame:
                         + (f"persists in {', '.join(persists.quantity)}" if len(persists) else "vanishes everywhere"))
         rows.append(summary_row(name, EXPERIMENT, decisions[name], headline, worst_ratio=float(params.ratio.max())))
     return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# the conclusion
+
+
+def conclude(summary, table, judgements: dict, skipped=()) -> Conclusion:
+    """02: does each candidate's error vanish when it is recompiled in float64?"""
+
+    findings, vanished, persisted, untested = [], [], [], []
+    against = (f"vanishes: ≤ {format_number(VANISH_THRESHOLD)}; rounding predicts {format_number(EXPECTED_RATIO)}, "
+               "a defect ≈ 1")
+    for row in summary.itertuples():
+        judgement = judgements[row.candidate]
+        group = table[(table.candidate == row.candidate) & (table.quantity != "loss")]
+        persists = group[group.finding == "persists in float64"]
+        worst_ratio = group.ratio.max()
+        measurements = []
+        if group.finding.eq("no float64 build").all():
+            untested.append(row.candidate)
+            text = ("It has no float64 build, so this experiment cannot show whether its error vanishes with the "
+                    f"arithmetic; the verdict rests on the float32 bound: its results are {judgement_phrase(judgement)}.")
+        elif len(persists):
+            persisted.append(row.candidate)
+            text = (f"Recompiled in float64, the error of {', '.join(persists.quantity)} stays (err64 ÷ err32 up to "
+                    f"{format_number(worst_ratio)}, where rounding error would fall to {format_number(EXPECTED_RATIO)}): "
+                    f"it does not come from the arithmetic. In float32 its results are {judgement_phrase(judgement)}.")
+        else:
+            vanished.append(row.candidate)
+            text = (f"Recompiled in float64, its error falls by a factor of at least "
+                    f"{format_number(1 / worst_ratio) if worst_ratio > 0 else '∞'} (worst err64 ÷ err32 "
+                    f"{format_number(worst_ratio)}): the difference comes from the arithmetic. In float32 its results are "
+                    f"{judgement_phrase(judgement)}.")
+        if not math.isnan(worst_ratio):
+            worst_q = group.loc[group.ratio.idxmax(), "quantity"]
+            measurements.append(Measurement(f"err64 ÷ err32, worst parameter ({worst_q})", format_number(worst_ratio),
+                                            against))
+        measurements += judgement_measurements(judgement)[:2]
+        override = (f"The error of {', '.join(persists.quantity)} does not vanish in float64, so it is not rounding "
+                    "whatever its size: find the bug in those gradients (precision-lab diagnose names the quantities "
+                    "and elements beyond the bound).")
+        findings.append(Finding(row.candidate, row.verdict, text, measurements,
+                                action_for_verdict(row.verdict, judgement, override),
+                                judgement_detail(judgement) if row.verdict == judgement.verdict else ""))
+    clauses = []
+    if vanished:
+        clauses.append(f"the error vanishes with the arithmetic for {', '.join(vanished)}")
+    if persisted:
+        clauses.append(f"it stays for {', '.join(persisted)}, which is therefore not rounding")
+    if untested:
+        clauses.append(f"{', '.join(untested)} cannot be tested this way (no float64 build)")
+    lead = ("Recompiled in float64, " + "; ".join(clauses) + f". Verdicts: {verdict_groups(findings)}."
+            if clauses else "No candidate ran.")
+    return Conclusion(EXPERIMENT, lead[0].upper() + lead[1:], findings, skipped_notes(skipped) + unprobed_notes(judgements))

@@ -9,6 +9,7 @@ reproduces the seed's magnitudes; judging them against the float64 reference nam
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,8 @@ import pandas as pd
 import torch
 
 from ..candidates import get_builtin
+from ..conclusions import (Conclusion, Finding, Measurement, action_for, judgement_detail, judgement_measurements,
+                           judgement_phrase, unprobed_notes, verdict_groups, worst_quantity)
 from ..errmodel import error_bounds
 from ..errors import LabInputError
 from ..paths import DATA_DIR
@@ -167,3 +170,57 @@ def headline_figure(table: pd.DataFrame, judgement: Judgement, estimate: float |
 
 __all__ = ["EXPERIMENT", "SEED_REPORTED", "seed_reported", "seed_estimate", "replay", "magnitude_agreement", "evidence", "summarise",
            "headline_figure"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the conclusion
+
+
+def _as_reported(low, high) -> str:
+    """The seed's figures as it wrote them (0.049–0.29), not padded to three digits it never gave."""
+    return f"{format_reported(low)}–{format_reported(high)}" if low != high else format_reported(low)
+
+
+def conclude(summary, table, judgements: dict) -> Conclusion:
+    """04: the seed's question — were its 0.05–0.29 weight-gradient differences rounding?"""
+
+    weights = table[table.quantity.str.endswith("weight")]
+    others = table[~table.quantity.str.endswith("weight")]
+    seed_range = _as_reported(weights.seed_max_abs.min(), weights.seed_max_abs.max())
+    findings = []
+    for row in summary.itertuples():
+        judgement = judgements[row.candidate]
+        column = f"{row.candidate}_max_abs"
+        weight_range = format_range(weights[column].min(), weights[column].max())
+        other_range = format_range(others[column].min(), others[column].max())
+        ratio = (weights[column] / weights.seed_max_abs).where(weights[column] > 0)
+        if weights[column].max() == 0:
+            text = "Its weight gradients are identical to PyTorch's, bit for bit"
+        else:
+            factor = float(ratio.median()) if ratio.notna().any() else math.nan
+            relation = ("the seed's magnitude" if 1 / 3 <= factor <= 3 else
+                        f"the seed's were {format_number(1 / factor)} times larger" if factor < 1 else
+                        f"{format_number(factor)} times the seed's")
+            text = (f"Its weight gradients differ from PyTorch's by {weight_range} (the seed reported {seed_range}: "
+                    f"{relation}), its loss and bias gradients by {other_range}")
+        text += f"; against the float64 reference its results are {judgement_phrase(judgement)}."
+        measurements = [Measurement("weight-gradient differences from PyTorch, max |difference|", weight_range,
+                                    f"seed's report: {seed_range}")]
+        measurements += judgement_measurements(judgement)[:2]
+        findings.append(Finding(row.candidate, row.verdict, text, measurements, action_for(judgement),
+                                judgement_detail(judgement)))
+    slip, faithful = judgements.get(REPLAY_SLIP), judgements.get(REPLAY)
+    bound = format_number(weights.bound_max.max())
+    if slip is not None and faithful is not None and slip.verdict != "roundoff" and faithful.verdict == "roundoff":
+        cause = (f"a spatial flip in the gradient conversion ({slip.layout_fix})" if slip.verdict == "layout"
+                 else f"the conversion ({slip.verdict})")
+        lead = (f"The seed's weight-gradient differences ({seed_range}) were not floating-point accumulation but "
+                f"{cause}: replaying its design with that conversion gives differences of the same kind "
+                f"({format_range(weights[f'{REPLAY_SLIP}_max_abs'].min(), weights[f'{REPLAY_SLIP}_max_abs'].max())}, "
+                f"error ÷ bound up to {format_number(worst_quantity(slip).bound_ratio)}, where the float32 rounding bound is at "
+                f"most {bound}), while the same design without the flip is within rounding "
+                f"(error ÷ bound ≤ {format_number(worst_quantity(faithful).bound_ratio)}).")
+    else:
+        lead = (f"The replays do not settle the seed's question on this run: {verdict_groups(findings)} "
+                f"(the float32 rounding bound of the weight gradients is at most {bound}).")
+    return Conclusion(EXPERIMENT, lead, findings, unprobed_notes(judgements))

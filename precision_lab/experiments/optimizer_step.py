@@ -20,9 +20,11 @@ import pandas as pd
 import torch
 
 from ..candidates import Candidate
+from ..conclusions import (Conclusion, Finding, Measurement, action_for, judgement_detail, judgement_measurements,
+                           judgement_phrase, skipped_notes, unprobed_notes, verdict_groups)
 from ..problem import Problem
 from ..reference import reference
-from ..tables import format_factor, format_number, format_percent
+from ..tables import format_factor, format_number, format_percent, format_range
 from ..verdict import judge
 from . import cached_reference, progress, summary_row
 
@@ -223,3 +225,44 @@ def summarise(decisions: dict, masking: pd.DataFrame, envelope: pd.DataFrame | N
                                 update_rel_err=row.sgd_update_rel_err, weight_rel_err=row.sgd_weight_rel_err,
                                 inside_envelope=inside.get(row.candidate)))
     return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# the conclusion
+
+
+def conclude(summary, masking, envelope, judgements: dict, lr: float, adam_lr: float, steps: int | None = None,
+                   skipped=()) -> Conclusion:
+    """01: the gradient verdicts, what one SGD/Adam step shows of each error, and the k-step trajectories."""
+
+    masking = masking.set_index("candidate")
+    inside = {} if envelope is None else envelope.set_index("candidate").to_dict("index")
+    findings = []
+    for row in summary.itertuples():
+        judgement, m = judgements[row.candidate], masking.loc[row.candidate]
+        text = (f"Its gradients are {judgement_phrase(judgement)}. One SGD step (lr = {lr:g}) carries the gradient "
+                f"error unchanged into the update lr·g ({format_number(m.sgd_update_rel_err)} relative, against "
+                f"{format_number(m.grad_rel_err)} in the gradient) but shows it {format_factor(m.weights_hide_by)} "
+                f"smaller in the weights, where it changes {format_percent(m.error_visible_in_weights)} of the stored "
+                "float32 values.")
+        measurements = judgement_measurements(judgement)[:2] + [
+            Measurement("weights after one SGD step hide the gradient error by", format_factor(m.weights_hide_by),
+                        "the update lr·g hides nothing: compare updates")]
+        if row.candidate in inside:
+            e = inside[row.candidate]
+            where = "stay inside" if e["inside_envelope"] else "leave"
+            text += (f" Over {steps if steps is not None else 'k'} SGD steps its weights {where} the envelope of "
+                     f"legitimate float32 implementations (worst step at {format_factor(e['max_distance_over_envelope'])}"
+                     f" the envelope's edge).")
+            measurements.append(Measurement("weight distance to float64 ÷ envelope edge, worst step",
+                                            format_factor(e["max_distance_over_envelope"]),
+                                            f"inside: ≤ {ENVELOPE_MARGIN:g}×"))
+        findings.append(Finding(row.candidate, row.verdict, text, measurements, action_for(judgement),
+                                judgement_detail(judgement)))
+    hide = masking.weights_hide_by
+    lead = (f"Comparing weights after one SGD step (lr = {lr:g}) hides a gradient error by "
+            f"{format_range(hide.min(), hide.max())}×, and Adam's first step (lr = {adam_lr:g}) is lr·sign(g) in at "
+            f"least {format_percent(masking.adam_sign_only_fraction.min())} of elements, so neither comparison tells "
+            f"rounding from a bug; judged on the gradients (and the updates, which keep their error): "
+            f"{verdict_groups(findings)}.")
+    return Conclusion(EXPERIMENT, lead, findings, skipped_notes(skipped) + unprobed_notes(judgements))

@@ -22,16 +22,18 @@ import pandas as pd
 import torch
 
 from .. import errmodel
-from ..candidates import Candidate
-from ..formats import unit_roundoff
 from ..calibration import noise_floor
-from ..model import ModelSpecError
-from ..problem import make_problem
-from ..verdict import judge
+from ..candidates import Candidate
+from ..conclusions import (Conclusion, Finding, Measurement, NOTHING_TO_FIX, action_for, judgement_detail,
+                           judgement_measurements, precision_action, skipped_notes, unprobed_notes, verdict_groups)
 from ..decision import Scaling
+from ..formats import unit_roundoff
+from ..model import ModelSpecError
 from ..probes import ProbeRun
+from ..problem import make_problem
+from ..tables import format_number, format_range
+from ..verdict import judge
 from . import cached_reference, decide_candidate, network_for, progress, summary_row  # noqa: F401 - network_for: 03
-from ..tables import format_number
 
 EXPERIMENT = "03-size-sweep"
 
@@ -156,3 +158,93 @@ def noise_floor_at(size: int, device: torch.device, members: list[str], batch: i
     """
     problem = make_problem(size, batch, seed, image, network=network)
     return noise_floor(problem, device, reference=cached_reference(problem, device), members=tuple(members))
+
+#: fitted exponents α of error ÷ (u·S) ∝ nᵅ (experiments.size_sweep): operand rounding in a coarser format predicts
+#: −0.5, float32 accumulation 0 (pairwise) to 0.5 (recursive), the worst case 1 (γₙ, Higham 2002, Lemma 3.1);
+#: each boundary is the midpoint between neighbouring predictions
+SHRINKING_BELOW, GROWING_ABOVE = -0.25, 0.75
+
+
+# ---------------------------------------------------------------------------------------------
+# the conclusion
+
+
+def conclude(summary, table, fits, skipped=(), decisions: dict | None = None) -> Conclusion:
+    """03: how each candidate's error scales with the number of terms, and its decided verdict (`decisions`:
+    precision_lab.decision.Diagnosis by candidate, which names what the tables cannot: a probe's finding)."""
+
+    largest = int(table["size"].max())
+    sizes = sorted(int(s) for s in table["size"].unique())
+    findings = []
+    for row in summary.itertuples():
+        rows = table[table.candidate == row.candidate]
+        at_largest = rows[rows["size"] == largest]
+        worst_largest = at_largest.loc[at_largest.bound_ratio.idxmax()]
+        worst_any = rows.loc[rows.bound_ratio.idxmax()]
+        cand_fits = fits[fits.candidate == row.candidate]
+        weights = cand_fits[cand_fits.parameter.str.endswith("weight")]
+        alpha = float(weights.alpha_vs_S.median())
+        defect_like = cand_fits[cand_fits.min_err_over_grad >= DEFECT_REL_TO_GRAD]
+        decided = decisions[row.candidate].judgement() if decisions else None
+        detail = judgement_detail(decided) if decided is not None else ""
+        if len(defect_like):
+            level = format_range(defect_like.min_err_over_grad.min(), defect_like.min_err_over_grad.max())
+            text = (f"{', '.join(defect_like.parameter)} stay at {level} of max |g| or more at every size from "
+                    f"{sizes[0]} to {largest} pixels: rounding error stays far below |g| (under "
+                    f"{format_number(DEFECT_REL_TO_GRAD)} for every format the lab knows), a different function does not.")
+        elif worst_any.bound_ratio <= 1.0:
+            text = (f"Its gradients are within the float32 bound at every size from {sizes[0]} to {largest} pixels; "
+                    f"the error grows like n^{alpha:.2f} relative to u·S (recursive summation's probabilistic growth is "
+                    "n^0.5, pairwise summation's about log n).")
+        else:
+            trend = ("shrinks relative to u·S as n grows, the signature of operands rounded to a coarser format"
+                     if alpha < SHRINKING_BELOW else "grows relative to u·S faster than float32 accumulation explains"
+                     if alpha > GROWING_ABOVE else "scales like float32 accumulation relative to u·S (n^0 to n^0.5)")
+            text = (f"Its gradients exceed the float32 bound (worst: {worst_any.parameter} at {int(worst_any['size'])} "
+                    f"pixels, error ÷ bound {format_number(worst_any.bound_ratio)}; at {largest} pixels "
+                    f"{format_number(worst_largest.bound_ratio)}), and the error {trend} (n^{alpha:.2f}).")
+        if row.verdict != "roundoff" and worst_largest.bound_ratio <= 1.0 and not len(defect_like):
+            where = (f" on {decisions[row.candidate].summary().decided_by}" if decisions else "")
+            text += (f" At {largest} pixels its gradients are within the bound, but the decision, which also judges "
+                     f"the loss, the forward output, the other sizes and the probes, finds it {row.verdict}{where}"
+                     + (f": {decided.cause or detail}" if decided is not None and (decided.cause or detail) else "")
+                     + ".")
+        measurements = [
+            Measurement(f"max error ÷ bound at {largest} × {largest}, {worst_largest.parameter}",
+                        format_number(worst_largest.bound_ratio), "rounding: ≤ 1")]
+        if int(worst_any["size"]) != largest and worst_any.bound_ratio > 1.0:
+            measurements.append(Measurement(f"max error ÷ bound over sizes, {worst_any.parameter} at "
+                                            f"{int(worst_any['size'])} pixels", format_number(worst_any.bound_ratio),
+                                            "rounding: ≤ 1"))
+        measurements += [
+            Measurement("fitted exponent α of error ÷ (u·S) ∝ nᵅ (weights, median)", f"{alpha:.2f}",
+                        "float32 accumulation: 0 (pairwise) to 0.5 (recursive); input rounding: < 0"),
+            Measurement("smallest max |error| ÷ max |g| over sizes (worst gradient)",
+                        format_number(cand_fits.min_err_over_grad.max()),
+                        f"a defect stays ≥ {format_number(DEFECT_REL_TO_GRAD)} at every size")]
+        if decided is not None and worst_largest.bound_ratio <= 1.0 and row.verdict != "roundoff":
+            measurements += judgement_measurements(decided)[:2]
+        action = (action_for(decided) if decided is not None and (row.verdict != "defect" or not len(defect_like))
+                  else _action_from_verdict(row.verdict, detail, defect_like, at_largest))
+        findings.append(Finding(row.candidate, row.verdict, text, measurements, action, detail))
+    lead = (f"Across sizes {', '.join(map(str, sizes))} (n = batch·H·W up to {format_number(int(table.n.max()))} terms "
+            f"per weight-gradient sum): {verdict_groups(findings)}.")
+    return Conclusion(EXPERIMENT, lead, findings, skipped_notes(skipped) + unprobed_notes(decisions))
+
+
+def _action_from_verdict(verdict: str, detail: str, defect_like, at_largest) -> str:
+    """An action when only the verdict and its detail are known (tables, not a Judgement)."""
+    if verdict == "roundoff":
+        return NOTHING_TO_FIX
+    if verdict == "layout" and detail:
+        return f"Fix the layout: the gradient matches after {detail} (precision-lab diagnose says how, buffer by buffer)."
+    if verdict == "reduced-precision" and detail:
+        return precision_action(detail)
+    bad = at_largest[at_largest.bound_ratio > 1.0]
+    names = list(defect_like.parameter) if len(defect_like) else list(bad.parameter)
+    if not names:
+        return (f"The verdict ({verdict}) comes from quantities this sweep does not tabulate (the loss or the forward "
+                "output): precision-lab diagnose at the largest size names them and their elements.")
+    return (f"Find the bug: {', '.join(names)} are beyond the rounding bound"
+            + (f" (error ÷ bound up to {format_number(bad.bound_ratio.max())} at the largest size)" if len(bad) else "")
+            + " and no transform or coarser format explains them; precision-lab diagnose names the elements.")
