@@ -71,6 +71,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import numpy as np
+from scipy import stats
 
 from . import formats
 from .errors import LabInputError
@@ -243,51 +244,14 @@ class FunctionOracle:
 # statistics: Student t (the noise is measured with few degrees of freedom)
 
 
-def _beta_continued_fraction(a: float, b: float, x: float) -> float:
-    """Continued fraction of the incomplete beta function (Numerical Recipes, 3rd ed., §6.4, Lentz)."""
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    result = d
-    for m in range(1, 500):
-        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + numerator * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            result *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return result
+def t_two_sided_p(k: float, dof: float) -> float:
+    """P(|T| > k) for Student's t with `dof` degrees of freedom."""
+    return float(2.0 * stats.t.sf(abs(k), dof))
 
 
-def incomplete_beta(a: float, b: float, x: float) -> float:
-    """The regularised incomplete beta function I_x(a, b) (Numerical Recipes §6.4)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(log_front) * _beta_continued_fraction(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b
-
-
-def t_two_sided_p(k: float, dof: int) -> float:
-    """P(|T| > k) for Student's t with `dof` degrees of freedom (Abramowitz & Stegun 26.7.1)."""
-    return incomplete_beta(dof / 2.0, 0.5, dof / (dof + k * k))
-
-
-def t_critical(alpha: float, dof: int) -> float:
-    """The k with P(|T| > k) = alpha (bisection on a log scale)."""
-    low, high = 0.0, 1e8
-    for _ in range(200):
-        mid = math.sqrt(max(low, 1e-3) * high)
-        low, high = (mid, high) if t_two_sided_p(mid, dof) > alpha else (low, mid)
-        if high - low < 1e-9 * high:
-            break
-    return high
+def t_critical(alpha: float, dof: float) -> float:
+    """The k with P(|T| > k) = alpha."""
+    return float(stats.t.isf(alpha / 2.0, dof))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -152,6 +152,13 @@ def test_student_t_tail_matches_mpmath():
     assert critical == pytest.approx(11.1777, abs=1e-3)  # qt(1 - 5e-5, df = 5) in R
 
 
+def test_student_t_quantiles_match_the_tables():
+    # two-sided quantiles as printed in t tables: t_{0.975, 10}, t_{0.995, 5}, t_{0.95, 1} = tan(0.45π)
+    for alpha, dof, table in ((0.05, 10, 2.228138852), (0.01, 5, 4.032142984), (0.10, 1, 6.313751515)):
+        assert t_critical(alpha, dof) == pytest.approx(table, rel=1e-9)
+        assert t_two_sided_p(table, dof) == pytest.approx(alpha, rel=1e-8)
+
+
 def test_stencil_points_are_exact_in_the_build_format():
     rng = np.random.default_rng(0)
     base = np.concatenate([rng.standard_normal(1000), [0.9999999, 1.0, 2.0 - 2 ** -23, 0.0, 1e-30, -3.0]]).astype(np.float32)
