@@ -73,8 +73,8 @@ from typing import Callable, Protocol
 import numpy as np
 from scipy import stats
 
-from . import formats
-from .errors import LabInputError
+from .. import formats
+from ..errors import LabInputError
 
 VERDICTS = ("roundoff", "defect", "inconclusive")
 
