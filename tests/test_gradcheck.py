@@ -21,9 +21,13 @@ from precision_lab.candidates import CandidateError, resolve
 from precision_lab.candidates.command import CommandCandidateError
 from precision_lab.candidates.opaque import OpaqueCandidate, read_start_bundle
 from precision_lab.errors import LabInputError
-from precision_lab.gradcheck import (SEGMENT_MAX, FunctionOracle, GradCheckError, Region, check_gradients, default_budget,
-                                     Segment, half_aligned, homogeneous_groups, on_grid, scaling_step, segment_step,
-                                     t_critical, t_two_sided_p)
+from precision_lab.gradcheck import FunctionOracle, GradCheckError, check_gradients
+from precision_lab.gradcheck.groups import homogeneous_groups, scaling_step
+from precision_lab.gradcheck.localise import Region
+from precision_lab.gradcheck.noise import t_critical, t_two_sided_p
+from precision_lab.gradcheck.points import on_grid
+from precision_lab.gradcheck.program import default_budget
+from precision_lab.gradcheck.segments import SEGMENT_MAX, Segment, half_aligned, segment_step
 
 ROOT = Path(__file__).resolve().parents[1]
 F = torch.nn.functional
