@@ -21,9 +21,13 @@ from precision_lab.candidates import CandidateError, resolve
 from precision_lab.candidates.command import CommandCandidateError
 from precision_lab.candidates.opaque import OpaqueCandidate, read_start_bundle
 from precision_lab.errors import LabInputError
-from precision_lab.gradcheck import (SEGMENT_MAX, FunctionOracle, GradCheckError, Region, check_gradients, default_budget,
-                                     Segment, half_aligned, homogeneous_groups, on_grid, scaling_step, segment_step,
-                                     t_critical, t_two_sided_p)
+from precision_lab.gradcheck import FunctionOracle, GradCheckError, check_gradients
+from precision_lab.gradcheck.groups import homogeneous_groups, scaling_step
+from precision_lab.gradcheck.localise import Region
+from precision_lab.gradcheck.noise import t_critical, t_two_sided_p
+from precision_lab.gradcheck.points import on_grid
+from precision_lab.gradcheck.program import default_budget
+from precision_lab.gradcheck.segments import SEGMENT_MAX, Segment, half_aligned, segment_step
 
 ROOT = Path(__file__).resolve().parents[1]
 F = torch.nn.functional
@@ -150,6 +154,13 @@ def test_student_t_tail_matches_mpmath():
     critical = t_critical(1e-4, 5)
     assert t_two_sided_p(critical, 5) == pytest.approx(1e-4, rel=1e-6)
     assert critical == pytest.approx(11.1777, abs=1e-3)  # qt(1 - 5e-5, df = 5) in R
+
+
+def test_student_t_quantiles_match_the_tables():
+    # two-sided quantiles as printed in t tables: t_{0.975, 10}, t_{0.995, 5}, t_{0.95, 1} = tan(0.45π)
+    for alpha, dof, table in ((0.05, 10, 2.228138852), (0.01, 5, 4.032142984), (0.10, 1, 6.313751515)):
+        assert t_critical(alpha, dof) == pytest.approx(table, rel=1e-9)
+        assert t_two_sided_p(table, dof) == pytest.approx(alpha, rel=1e-8)
 
 
 def test_stencil_points_are_exact_in_the_build_format():

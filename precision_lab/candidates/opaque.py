@@ -35,7 +35,8 @@ from .. import formats
 from ..bundle import (FORMAT, MANIFEST, NPZ, BundleError, array_entries, check_memory, load_arrays, manifest_text,
                       write_raw_array)
 from ..errors import LabInputError
-from ..gradcheck import Evaluation, GradCheck, check_evaluation, check_gradients, exact_cast, storage_dtype
+from ..gradcheck import Evaluation, GradCheck, check_gradients
+from ..gradcheck.program import check_evaluation, exact_cast, storage_dtype
 from ..layout import check_layout
 from . import Candidate, CandidateError
 from .command import CommandCandidateError, CommandProgram, _argv, _choice, _extra_env, _timeout, child_environment

@@ -20,7 +20,10 @@ import pandas as pd
 from .. import formats
 from ..candidates import resolve
 from ..candidates.opaque import OpaqueCandidate
-from ..gradcheck import Calls, FunctionOracle, measure_noise, tensor_scales
+from ..gradcheck import FunctionOracle
+from ..gradcheck.noise import measure_noise
+from ..gradcheck.points import tensor_scales
+from ..gradcheck.program import Calls
 from ..paths import ROOT
 from . import progress, summary_row
 
@@ -454,8 +457,9 @@ def segment_against_length(function, parameters: dict[str, np.ndarray], tensor: 
     difference (L(w + h·d) − L(w − h·d))/2h and the segment identity L(w + h·d) − L(w − h·d) = ∫ g·d (the
     program's gradients at `panels` + 1 uniform nodes, the check's Segment) each get wrong, against the
     float64 derivative, and the resolution the segment states from its own measurements (no float64)."""
-    from ..gradcheck import (ALPHA, Calls, FunctionOracle, Segment, _dot, _point, measure_noise, t_critical,
-                             tensor_scales, tensor_step)
+    from ..gradcheck.noise import ALPHA, t_critical
+    from ..gradcheck.points import displaced, dot, tensor_step
+    from ..gradcheck.segments import Segment
 
     base = {k: v.astype(np.float64) for k, v in parameters.items()}
     scales = tensor_scales(base)
@@ -473,18 +477,18 @@ def segment_against_length(function, parameters: dict[str, np.ndarray], tensor: 
         step = tensor_step(base[tensor], fraction * scales[tensor], np.dtype("float32"), list(nodes),
                            np.random.default_rng(seed))
         displacement = {tensor: step}
-        answers = [at_base if t == 0 else calls("claimed", _point(base, displacement, float(t))) for t in nodes]
+        answers = [at_base if t == 0 else calls("claimed", displaced(base, displacement, float(t))) for t in nodes]
         losses = np.array([a.loss for a in answers])
-        slopes = np.array([_dot(a.grads, displacement) for a in answers])
+        slopes = np.array([dot(a.grads, displacement) for a in answers])
         truth = float(np.sum(np.asarray(g64[tensor]) * step))  # g(w)·Δ from the float64 program
         central = (losses[-1] - losses[0]) / 2
         segment = Segment(tensor, displacement, nodes, losses, slopes, noise.loss_sigma,
                           noise.direction_sigma(displacement), noise.dof, fraction=fraction)
         segment.evaluate(lambda dof: t_critical(ALPHA, dof))
         # the segment's own error: its residual with the float64 program's (the quadrature error) removed
-        answers64 = [function(_point(base, displacement, float(t)), np.float64) for t in nodes]
+        answers64 = [function(displaced(base, displacement, float(t)), np.float64) for t in nodes]
         segment64 = Segment(tensor, displacement, nodes, np.array([float(a[0]) for a in answers64]),
-                            np.array([_dot(a[1], displacement) for a in answers64]), 0.0, 0.0, noise.dof)
+                            np.array([dot(a[1], displacement) for a in answers64]), 0.0, 0.0, noise.dof)
         segment64.evaluate(lambda dof: t_critical(ALPHA, dof))
         rows.append({"fraction": fraction, "step": float(np.linalg.norm(step)),
                      "central_difference_error": abs(central - truth) / abs(truth),
