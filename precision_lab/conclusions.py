@@ -11,10 +11,9 @@ each experiment writes its own conclusion (`experiments.<experiment>.conclude`) 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-from .tables import HtmlBlock, escape, format_number, format_percent, verdict_chip, verdict_class, verdict_legend
+from .tables import HtmlBlock, escape, format_number, verdict_chip, verdict_class, verdict_legend
 
 #: worst first: a candidate's overall verdict across experiments is the worst one (docs/design.md, "Verdicts")
 SEVERITY = ("defect", "layout", "reduced-precision", "inconclusive", "roundoff")
@@ -352,48 +351,3 @@ __all__ = ["Conclusion", "Finding", "Measurement", "NOTHING_TO_FIX", "action_for
            "describe_transform", "from_judgement", "judgement_detail", "judgement_measurements", "judgement_phrase",
            "layout_action", "precision_action", "run_summary", "skipped_notes", "unprobed_notes", "verdict_groups",
            "worst_quantity", "worst_verdict"]
-
-
-# ---------------------------------------------------------------------------------------------
-# 06: the reference-free gradient check
-
-
-def gradient_check(summary, tensors, results: dict, rates, rtol: float, practice_epsilon: float = 1e-5) -> Conclusion:
-    """06: the lab's verdict per opaque candidate (from its own measurements), and what the float32 practice showed.
-
-    `results` are the gradient checks (precision_lab.gradcheck.GradCheck) by candidate; `rates` the
-    practice's pass rates per ε (experiments.gradient_check.pass_rates)."""
-    findings = []
-    for row in summary.itertuples():
-        result = results[row.candidate]
-        rows = tensors[tensors.candidate == row.candidate]
-        failing = rows[rows.verdict == row.verdict] if row.verdict != "roundoff" else rows
-        measurements = [Measurement("program calls", f"{result.total_calls} (float64 build: "
-                                                     f"{result.calls.get('float64', 0)})", f"budget {result.budget}")]
-        for t in failing.head(3).itertuples():
-            if t.directional_error is not None and math.isfinite(t.directional_error):
-                measurements.append(Measurement(f"{t.tensor}: directional error (relative)",
-                                                format_number(t.directional_error),
-                                                f"resolved to {format_number(t.resolution)}"))
-            if t.located:
-                measurements.append(Measurement(f"{t.tensor}: where", t.located))
-        if row.verdict == "roundoff":
-            finding, action = "the gradient is the derivative of the loss, within what the check resolves.", NOTHING_TO_FIX
-        elif row.verdict == "defect":
-            names = ", ".join(failing.tensor)
-            finding = f"the gradient of {names} is not the derivative of the loss."
-            action = (f"Fix the backward of {names}" + (f" (start at {failing.located.iloc[0]})"
-                                                        if failing.located.iloc[0] else "") + ".")
-        else:
-            finding = ("the check does not resolve the gradient closely enough to settle it (the loss's rounding noise, or "
-                       "kinks along its segments).")
-            action = next((t.settle for t in result.tensors.values() if t.settle),
-                          "Give a float64 build (command_float64): it settles the gradient to ~1e-8.")
-        findings.append(Finding(row.candidate, row.verdict, finding, measurements, action))
-    at = rates[rates.epsilon == practice_epsilon].set_index("candidate")
-    practice = "; ".join(f"{name}: {format_percent(at.pass_rate[name])} pass at ε = {practice_epsilon:g}"
-                         for name in at.index)
-    lead = (f"Directional differences checked against the float64 build settle each gradient "
-            f"({verdict_groups(findings)}); float32 central differences at rtol {rtol:g} cannot: {practice}, "
-            f"a pass rate set by ε and the loss's rounding noise, not by whether the gradient is right.")
-    return Conclusion("06-gradient-check", lead, findings)
