@@ -2,13 +2,13 @@
 
 1. `reference`: float64 reference ÷ float32 native forward + backward, same problem, same process,
    runs interleaved and the fastest of `--repeats` kept for each (a busy machine slows both alike);
-2. `bounds`: the error bounds of the problem's network ÷ its float64 reference (issue 13: ≤ 3×);
+2. `bounds`: the error bounds of the problem's network ÷ its float64 reference (target: ≤ 3×);
 3. `diagnose`: a diagnosis of a float32 command candidate (`precision-lab diagnose --candidate
    FILE.yaml --probes none`) ÷ the candidate's own run (interleaved, fastest of `--repeats` each),
    and the diagnosis's peak resident memory (the largest process, and the lab and the program together);
 4. `builtin`: an in-process diagnosis of the built-in `native` candidate, seconds beyond the
-   candidate's own run (issue 11 on a GPU: ≤ 3 s at 1024²), and what the default probes add
-   (issue 12: ≤ 25% of the requested problem's diagnosis);
+   candidate's own run (target on a GPU: ≤ 3 s at 1024²), and what the default probes add
+   (target: ≤ 25% of the requested problem's diagnosis);
 5. `algorithms`: a table of the convolution algorithms: time and worst error ÷ bound at one size.
 
 Every part runs on `--device` (auto: the GPU when there is one) and on `--model` (the seed CNN by
@@ -41,16 +41,16 @@ from .model import ModelSpecError, load_model
 from .paths import ROOT
 from .problem import make_problem
 
-#: issue 5, item 4: the float64 reference within 2× of the float32 native forward + backward
+#: target: the float64 reference within 2× of the float32 native forward + backward
 REFERENCE_TARGET = 2.0
-#: issue 5, item 5: a diagnosis within 4× of the candidate's own run, peaking under 3 GB
+#: target: a diagnosis within 4× of the candidate's own run, peaking under 3 GB
 DIAGNOSIS_TARGET, DIAGNOSIS_MEMORY_TARGET_GB = 4.0, 3.0
 DEFAULT_CANDIDATE = ROOT / "examples" / "python" / "candidate.yaml"
-#: issue 13, item 7: the bounds of a network within 3× its float64 reference forward + backward
+#: target: the bounds of a network within 3× its float64 reference forward + backward
 BOUNDS_TARGET = 3.0
-#: issue 11, item 4: a diagnosis of a built-in candidate at 1024² within 3 s of the candidate's own run (GPU)
+#: target: a diagnosis of a built-in candidate at 1024² within 3 s of the candidate's own run (GPU)
 BUILTIN_EXTRA_TARGET_S = 3.0
-#: issue 12, item 1: the default probes within 25% of the requested problem's diagnosis
+#: target: the default probes within 25% of the requested problem's diagnosis
 PROBES_TARGET = 0.25
 PARTS = ("reference", "bounds", "diagnose", "builtin", "algorithms")
 

@@ -19,7 +19,7 @@ from .conv.algorithms import DirectConv
 from .ops import Kernels
 from .problem import Problem
 
-#: relative agreement with stock float64 that the reference guarantees (issue 5; tested)
+#: relative agreement with stock float64 that the reference guarantees (tests/test_reference.py checks it)
 STOCK_AGREEMENT = 1e-13
 
 #: what the trace keeps (tested): float64 for the input, output and its gradient; the float32

@@ -10,7 +10,7 @@ whose rounding differs from PyTorch's:
 * `WinogradConv(m)` — Winograd F(m×m, 3×3) tiles, F(3×3, m×m) for the weight gradient.
 
 Work is done in row/column chunks so that no intermediate exceeds a few hundred MB at
-1024², batch 2 (the diagnosis must stay under 3 GB, issue 5).
+1024², batch 2 (a diagnosis must stay under 3 GB: bench.DIAGNOSIS_MEMORY_TARGET_GB).
 """
 from __future__ import annotations
 

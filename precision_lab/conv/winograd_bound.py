@@ -6,7 +6,7 @@ transforms (Y = Aᵀ[(G W Gᵀ) ⊙ (Bᵀ D B)]A per tile, Lavin & Gray 2016) ro
 absolute sums are hundreds of times S (Barabasz et al. 2020, ACM TOMS 46(4), §4: the error grows with
 the tile), so where a convolution has few terms its error leaves that scale (F(4,3): 32× at one input
 channel, `benchmarks/winograd_forward.py`) and flips ReLUs that draws of the direct scale never flip:
-`conv-winograd-f4x3` was a false `defect` that way on the deep denoiser (docs/verdicts.md).
+`conv-winograd-f4x3` was a false `defect` that way on the deep denoiser (docs/error-model.md).
 
 This module gives that scale for the tiles the lab's own algorithms use (F(2,3), F(4,3): the zoo's
 `conv-winograd-*`), aligned at the output's origin as they and cuDNN tile the output. Every rounding

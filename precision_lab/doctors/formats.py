@@ -42,7 +42,7 @@ MIN_ELEMENTS_FOR_OUTLIER_TEST = 8
 #: of the error explained. Measured: legitimate float32 orders reach 0.82 (FFT convolution, conv3.weight, whose
 #: errors are propagated forward errors along a few directions), TF32 candidates with another accumulation order
 #: ≥ 0.96 at 24²–61²; over the probes' problems (benchmarks/sensitivity.py --parts false-alarms, 14 legitimate
-#: orders × 3 probes × 100 seeds, docs/verdicts.md) the closest any came to this threshold was 0.096 below ...
+#: orders × 3 probes × 100 seeds, docs/results.md) the closest any came to this threshold was 0.096 below ...
 FINGERPRINT_MIN = 0.95
 #: ... and beyond the largest correlation of a measured legitimate float32 order plus FINGERPRINT_Z standard
 #: errors of a correlation of m independent pairs (1/√m): five, a one-in-3-million chance under the null

@@ -36,7 +36,7 @@ ENVELOPE_MARGIN = 10.0
 
 #: largest k-step trajectory size on a CPU when none is asked for: 20 steps × 7 members + float64
 #: at 1024² take 5–6 minutes on 2 cores (15–17 s a step), which alone would break `make reports`'
-#: 10-minute budget (issue 2); a GPU runs them at the problem's own size
+#: few-minute budget (README: 5–12 minutes for the six notebooks); a GPU runs them at the problem's own size
 CPU_TRAJECTORY_SIZE = 256
 
 
