@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from .errors import LabInputError
+from ..errors import LabInputError
 
 #: keys a campaign spec may have
 SPEC_KEYS = ("name", "candidates", "images", "seeds", "sizes", "batch", "flags", "probes", "device", "model", "out")
@@ -246,7 +246,7 @@ def _check_device(value, error) -> str:
 
 
 def _check_probes(value, error) -> str:
-    from . import probes as probe_set
+    from .. import probes as probe_set
 
     text = ",".join(map(str, value)) if isinstance(value, list) else value
     if not isinstance(text, str) or not text:
@@ -275,7 +275,7 @@ def _check_model(value, base: Path, error) -> str | None:
 
 
 def _network(model: str | None):
-    from .model import ModelSpecError, load_model
+    from ..model import ModelSpecError, load_model
 
     try:
         return load_model(model)
@@ -296,8 +296,8 @@ def _check_ints(value, key: str, minimum: int, words: str, error) -> list[int]:
 
 
 def _check_sizes(value, network, error) -> list[tuple[int, int]]:
-    from .model import ModelSpecError
-    from .problem import ProblemError, parse_size
+    from ..model import ModelSpecError
+    from ..problem import ProblemError, parse_size
 
     sizes = []
     for item in _as_list(value):
@@ -337,7 +337,7 @@ def _check_flags(value, error) -> list[tuple[tuple[str, str], ...]]:
 
 
 def _check_candidates(value, base: Path, model, network, sizes, error) -> list[CandidateEntry]:
-    from .verdict import VERDICTS
+    from ..verdict import VERDICTS
 
     if not isinstance(value, list) or not value:
         error("candidates", "give a list of built-in names (builtin:native), candidate YAMLs or bundle folders")
@@ -371,8 +371,8 @@ def _check_candidates(value, base: Path, model, network, sizes, error) -> list[C
 
 
 def _candidate_entry(written: str, base: Path, expect, model, network, sizes=()) -> CandidateEntry:
-    from .candidates import resolve
-    from .candidates.opaque import OpaqueCandidate
+    from ..candidates import resolve
+    from ..candidates.opaque import OpaqueCandidate
 
     path = Path(written)
     is_file = not written.startswith("builtin:") and (path.suffix.lower() in (".yaml", ".yml") or "/" in written
@@ -398,7 +398,7 @@ def _candidate_entry(written: str, base: Path, expect, model, network, sizes=())
         if model is not None and own is not None and own.spec != network.spec:
             raise LabInputError(f"{written} names its own model {own.name!r}; drop the spec's `model` or this candidate")
         if own is not None and kind == "command":  # its own network must take every size of the grid
-            from .model import ModelSpecError
+            from ..model import ModelSpecError
 
             for height, width in sizes:
                 try:
@@ -569,11 +569,11 @@ def _threads_here(threads) -> int | None:
 def _diagnose_cell(params: dict) -> tuple[list[dict], dict]:
     from contextlib import nullcontext
 
-    from . import probes as probe_set
-    from .candidates import resolve
-    from .conv.backends import native_flags
-    from .device import describe_device, resolve_device
-    from .diagnose import candidate_and_problem, diagnose
+    from .. import probes as probe_set
+    from ..candidates import resolve
+    from ..conv.backends import native_flags
+    from ..device import describe_device, resolve_device
+    from ..diagnose import candidate_and_problem, diagnose
 
     where = resolve_device(params["device"])
     flags = dict(f.split("=", 1) for f in params["flags"].split(",") if f)
@@ -785,7 +785,7 @@ def run_campaign(spec: Spec, workers: int = 2, scheduler: str | None = None, thr
     outcome = Outcome(len(cells), len(done), len(chosen), failed, len(todo) - len(chosen), table, spec.out,
                       time.perf_counter() - clock)
     if report:
-        from .campaign_report import write_report
+        from .report import write_report
 
         outcome.report = write_report(spec, table, spec.out / "report.html")
     return outcome
@@ -895,7 +895,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from . import options
+    from .. import options
 
     workers = options.nonnegative(args.workers, "--workers")
     needed = ("pyarrow",) if workers == 0 and not args.scheduler else ("distributed", "pyarrow")  # 0: in-process
@@ -907,7 +907,7 @@ def main(args: argparse.Namespace) -> int:
     max_cells = options.nonnegative(args.max_cells, "--max-cells")
     spec = load_spec(args.spec, args.out)
     if args.report:
-        from .campaign_report import write_report
+        from .report import write_report
 
         if not (spec.out / "cells").is_dir():
             raise LabInputError(f"{spec.out}: no finished cells yet; run `precision-lab campaign {args.spec}` first")
