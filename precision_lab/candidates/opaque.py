@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import formats
-from ..bundle import (FORMAT, MANIFEST, NPZ, BundleError, array_entries, check_memory, load_arrays, manifest_text,
-                      write_raw_array)
+from ..bundle import (FORMAT, MANIFEST, NPZ, BundleError, array_entries, check_memory, expect_field, load_arrays,
+                      load_manifest, manifest_text, write_raw_array)
 from ..errors import LabInputError
 from ..gradcheck import Evaluation, GradCheck, check_evaluation, check_gradients, exact_cast, storage_dtype
 from ..layout import check_layout
@@ -70,16 +70,8 @@ def read_start_bundle(directory: str | Path, claimed_precision: str) -> StartBun
     if not directory.is_dir():
         raise BundleError(f"{directory}: no such start bundle directory (expected a folder with {MANIFEST} and "
                           f"{NPZ} or raw binaries)")
-    if not manifest_path.is_file():
-        raise BundleError(f"{manifest_path}: missing (a start bundle is a folder with {MANIFEST} and {NPZ} or raw binaries)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{manifest_path}: not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict):
-        raise BundleError(f"{manifest_path}: expected a JSON object, got {type(manifest).__name__}")
-    if manifest.get("format") != FORMAT:
-        raise BundleError(f"{manifest_path}: key 'format' is {manifest.get('format')!r}, expected {FORMAT!r}")
+    manifest = load_manifest(manifest_path, f"a start bundle is a folder with {MANIFEST} and {NPZ} or raw binaries")
+    expect_field(manifest_path, manifest, "format", FORMAT)
     if manifest.get("kind") != "request":
         raise BundleError(f"{manifest_path}: key 'kind' is {manifest.get('kind')!r}, expected 'request' "
                           f"(a start bundle is the request the lab copies and perturbs)")
@@ -212,14 +204,7 @@ class OpaqueProgram:
 def read_response(directory: Path, exchange: str, dtype: np.dtype, shapes: dict[str, tuple[int, ...]]) -> Evaluation:
     """`loss` (shape ()) and `<param>.grad` for every parameter, in the request's dtype, all finite."""
     manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        raise BundleError(f"{manifest_path}: missing (the program must write bundle.json and its arrays there)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{manifest_path}: not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict):
-        raise BundleError(f"{manifest_path}: expected a JSON object, got {type(manifest).__name__}")
+    manifest = load_manifest(manifest_path, "the program must write bundle.json and its arrays there")
     for key, expected in (("format", FORMAT), ("kind", "response"), ("precision", exchange)):
         if manifest.get(key) != expected:
             raise BundleError(f"{manifest_path}: key {key!r} is {manifest.get(key)!r}, expected {expected!r}"
