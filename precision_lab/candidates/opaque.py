@@ -34,7 +34,6 @@ import numpy as np
 from .. import formats
 from ..bundle import (FORMAT, MANIFEST, NPZ, BundleError, array_entries, check_memory, expect_field, load_arrays,
                       load_manifest, manifest_text, write_raw_array)
-from ..errors import LabInputError
 from ..gradcheck import Evaluation, GradCheck, check_evaluation, check_gradients, exact_cast, storage_dtype
 from ..layout import check_layout
 from . import Candidate, CandidateError
@@ -295,8 +294,8 @@ def _not_a_model(name: str, path: Path):
 # `precision-lab diagnose --candidate OPAQUE.yaml`
 
 
-def run_diagnose(candidate: OpaqueCandidate, args: argparse.Namespace) -> int:
-    """Check the candidate, print the verdict, write the JSON; exit 0 roundoff, 1 otherwise."""
+def run_diagnose(candidate: OpaqueCandidate, args: argparse.Namespace) -> GradCheck:
+    """Check the candidate and print the verdict; precision_lab.diagnose.main writes --json and exits."""
     ignored = [f"--{flag}" for flag in ("size", "batch") if getattr(args, flag, None) is not None]
     if ignored:
         print(f"note: {candidate.name} is opaque: its start bundle fixes the problem; {', '.join(ignored)} ignored",
@@ -310,11 +309,4 @@ def run_diagnose(candidate: OpaqueCandidate, args: argparse.Namespace) -> int:
     seed = nonnegative(getattr(args, "seed", None), "--seed") or 0
     result = candidate.check(seed=seed, max_calls=getattr(args, "max_calls", None), progress=True)
     print(result.to_text())
-    if args.json:
-        out = Path(args.json)
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result.to_json(), indent=1) + "\n")
-        except OSError as exc:
-            raise LabInputError(f"{out}: cannot write the JSON verdict ({exc.strerror})") from None
-    return 0 if result.verdict == "roundoff" else 1
+    return result
