@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 
 from .tables import (HtmlBlock, escape, format_factor, format_number, format_percent, format_range, format_reported,
                      verdict_chip, verdict_class, verdict_legend)
+from .verdict import SEVERITY, worst
 
-#: worst first: a candidate's overall verdict across experiments is the worst one (docs/design.md, "Verdicts")
-SEVERITY = ("defect", "layout", "reduced-precision", "inconclusive", "roundoff")
 NOTHING_TO_FIX = "The difference is rounding: nothing to fix."
 #: fitted exponents α of error ÷ (u·S) ∝ nᵅ (experiments.size_sweep): operand rounding in a coarser format predicts
 #: −0.5, float32 accumulation 0 (pairwise) to 0.5 (recursive), the worst case 1 (γₙ, Higham 2002, Lemma 3.1);
@@ -111,8 +110,9 @@ class Conclusion:
 
 
 def worst_verdict(verdicts) -> str:
+    """The worst verdict across experiments (verdict.worst); a word it does not rank is shown as it is."""
     present = set(verdicts)
-    return next((v for v in SEVERITY if v in present), next(iter(present), "—"))
+    return worst(present) if present & set(SEVERITY) else next(iter(present), "—")
 
 
 def _axes_in_words(axes: str) -> str:
