@@ -172,15 +172,8 @@ def read_manifest(directory: str | Path, kinds: tuple[str, ...] = KINDS) -> dict
     path = directory / MANIFEST
     if not directory.is_dir():
         raise BundleError(f"{directory}: no such bundle directory (expected a folder with {MANIFEST})")
-    if not path.is_file():
-        raise BundleError(f"{path}: missing (a bundle is a folder with {MANIFEST} and {NPZ} or raw binaries)")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict):
-        raise BundleError(f"{path}: expected a JSON object, got {type(manifest).__name__}")
-    _expect_field(path, manifest, "format", FORMAT)
+    manifest = load_manifest(path, f"a bundle is a folder with {MANIFEST} and {NPZ} or raw binaries")
+    expect_field(path, manifest, "format", FORMAT)
     if manifest.get("kind") not in kinds:
         raise BundleError(f"{path}: key 'kind' is {manifest.get('kind')!r}, expected {' or '.join(map(repr, kinds))}")
     if manifest["kind"] in ("request", "static"):
@@ -193,7 +186,21 @@ def read_manifest(directory: str | Path, kinds: tuple[str, ...] = KINDS) -> dict
     return manifest
 
 
-def _expect_field(path: Path, manifest: dict, key: str, expected) -> None:
+def load_manifest(path: Path, missing: str) -> dict:
+    """A bundle.json read as a JSON object, or a BundleError naming it; `missing` says, in words, what
+    should have put it there (a bundle's, a start bundle's or a program's response folder)."""
+    if not path.is_file():
+        raise BundleError(f"{path}: missing ({missing})")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise BundleError(f"{path}: expected a JSON object, got {type(manifest).__name__}")
+    return manifest
+
+
+def expect_field(path: Path, manifest: dict, key: str, expected) -> None:
     if manifest.get(key) != expected:
         raise BundleError(f"{path}: key {key!r} is {manifest.get(key)!r}, expected {expected!r}")
 

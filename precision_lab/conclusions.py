@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .tables import HtmlBlock, escape, format_number, verdict_chip, verdict_class, verdict_legend
+from .findings import SEVERITY, worst
 
-#: worst first: a candidate's overall verdict across experiments is the worst one (docs/design.md, "Verdicts")
-SEVERITY = ("defect", "layout", "reduced-precision", "inconclusive", "roundoff")
 NOTHING_TO_FIX = "The difference is rounding: nothing to fix."
 
 
@@ -103,8 +102,9 @@ class Conclusion:
 
 
 def worst_verdict(verdicts) -> str:
+    """The worst verdict across experiments (verdict.worst); a word it does not rank is shown as it is."""
     present = set(verdicts)
-    return next((v for v in SEVERITY if v in present), next(iter(present), "—"))
+    return worst(present) if present & set(SEVERITY) else next(iter(present), "—")
 
 
 def _axes_in_words(axes: str) -> str:

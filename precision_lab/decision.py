@@ -25,7 +25,8 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field, replace
-from .verdict import CERTIFIABLE_FRACTION, Judgement, json_safe, overall, worst
+from .jsonable import json_safe
+from .verdict import CERTIFIABLE_FRACTION, Judgement, overall, worst
 
 #: the cosine every certified quantity has (‖error‖ ≤ CERTIFIABLE_FRACTION·‖reference‖ gives cos ≥ √(1 − ¼));
 #: a quantity settled elsewhere must show it on its own problem too

@@ -239,6 +239,16 @@ def _repeats(candidate, problem, where, trace, first: Result, repeats: int, bar)
     return Spread(repeats, spread)
 
 
+def write_json_verdict(path: str | Path, verdict: dict) -> None:
+    """`--json PATH`: the verdict as JSON (its folder made if need be); one line of error if it cannot be written."""
+    out = Path(path)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(verdict, indent=1) + "\n")
+    except OSError as exc:
+        raise LabInputError(f"{out}: cannot write the JSON verdict ({exc.strerror})") from None
+
+
 def main(args: argparse.Namespace) -> int:
     # every argument is checked before the heavy stages are imported: a typo is answered at once
     size = options.size(args.size, "--size")
@@ -254,7 +264,10 @@ def main(args: argparse.Namespace) -> int:
 
         opaque = resolve(args.candidate)
         if isinstance(opaque, OpaqueCandidate):
-            return run_diagnose(opaque, args)
+            result = run_diagnose(opaque, args)
+            if args.json:
+                write_json_verdict(args.json, result.to_json())
+            return 0 if result.verdict == "roundoff" else 1
     where = resolve_device(args.device)  # a bad --device fails before anything runs
     candidate, problem = candidate_and_problem(args.candidate, args.bundle, size, batch, seed, args.model,
                                                args.image, where)
@@ -263,12 +276,7 @@ def main(args: argparse.Namespace) -> int:
           f"network {problem.network.name}")
     print(diagnosis.to_text(verbose=getattr(args, "verbose", False)))
     if args.json:
-        out = Path(args.json)
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(diagnosis.to_json(), indent=1) + "\n")
-        except OSError as exc:
-            raise LabInputError(f"{out}: cannot write the JSON verdict ({exc.strerror})") from None
+        write_json_verdict(args.json, diagnosis.to_json())
     if args.html:
         from .device import describe_device
         from .present import write_diagnosis_page

@@ -13,6 +13,16 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+VERDICTS = ("roundoff", "reduced-precision", "layout", "defect", "inconclusive")
+#: worst first: the overall verdict of several quantities (or problems) is the first present
+SEVERITY = ("defect", "layout", "reduced-precision", "inconclusive", "roundoff")
+
+
+def worst(verdicts) -> str:
+    present = set(verdicts)
+    return next((v for v in SEVERITY if v in present), "roundoff")
+
+
 #: which finding decides a quantity's verdict when several would: the first in this order
 PRECEDENCE = ("zero-gradient", "layout", "format-level", "fingerprint", "format-excuse")
 #: findings that add to a quantity's evidence without changing its verdict, in the order their words are shown

@@ -25,7 +25,6 @@ named only when one cause explains every defect quantity; otherwise it is unknow
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,13 +33,12 @@ import numpy as np
 from . import doctors, errmodel, findings, formats
 from .compare import CERTIFIABLE_FRACTION, QuantityVerdict, compare, quantity_arrays  # noqa: F401 - re-exported
 from .compute import Result, Trace
+from .findings import SEVERITY, VERDICTS, worst  # noqa: F401 - re-exported: the verdicts and their order
+from .jsonable import json_safe
 
 if TYPE_CHECKING:  # pandas is imported where a table is built: a diagnosis never needs it
     import pandas as pd
 
-VERDICTS = ("roundoff", "reduced-precision", "layout", "defect", "inconclusive")
-#: worst first: the overall verdict of several quantities (or problems) is the first present
-SEVERITY = ("defect", "layout", "reduced-precision", "inconclusive", "roundoff")
 
 
 @dataclass
@@ -122,20 +120,6 @@ class Judgement:
         return "\n".join(lines)
 
 
-def json_safe(value):
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, (float, np.floating)):
-        return float(value) if math.isfinite(value) else None  # JSON has no inf/NaN
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.bool_):
-        return bool(value)
-    return value
-
-
 def judge(result: Result, reference: Trace, claimed_precision: str = "float32", candidate: str = "",
           fingerprint: bool | None = None, hypotheses: bool = True) -> Judgement:
     """Compare `result` with the float64 `reference` and give a verdict per quantity and overall.
@@ -193,11 +177,6 @@ def _model_summary(reference: Trace, claimed: str) -> dict:
     n = max(errmodel.terms_per_quantity(reference).values())
     factors = errmodel.summation_factors(n, errmodel.accumulation_precision(claimed))
     return {"bound": "Higham & Mary (2019) probabilistic, propagated through the layers", **factors}
-
-
-def worst(verdicts) -> str:
-    present = set(verdicts)
-    return next((v for v in SEVERITY if v in present), "roundoff")
 
 
 def overall(judgement: Judgement) -> None:

@@ -7,7 +7,6 @@ Parameter files, `-p` values, images, bundles and candidate YAML reach the lab t
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -22,9 +21,6 @@ from precision_lab import cli
 from precision_lab.paths import ROOT
 
 FIXTURES = Path(__file__).parent / "fixtures" / "notebooks"
-DIAGNOSE_WRITTEN = importlib.util.find_spec("precision_lab.diagnose") is not None
-needs_diagnose = pytest.mark.xfail(not DIAGNOSE_WRITTEN, strict=False,
-                                   reason="precision_lab/diagnose.py not in yet: flip when `diagnose` exists")
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +206,6 @@ DIAGNOSE_CASES = [
 ]
 
 
-@needs_diagnose
 @pytest.mark.parametrize("case, args, words", DIAGNOSE_CASES, ids=[c[0] for c in DIAGNOSE_CASES])
 def test_diagnose_refuses_bad_input_in_one_line(capsys, inputs, case, args, words):
     message = one_line_error(capsys, ["diagnose", *[a.replace("{d}", str(inputs)) for a in args], "--size", "16"])

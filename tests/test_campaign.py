@@ -19,7 +19,7 @@ pytest.importorskip("distributed")
 pytest.importorskip("pyarrow")
 
 from precision_lab import campaign, cli  # noqa: E402
-from precision_lab.campaign_report import wilson_interval  # noqa: E402
+from precision_lab.campaign.report import wilson_interval  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the Done-when grid at test scale: 2 candidates × 3 seeds × 2 sizes, no probes (speed)

@@ -218,7 +218,12 @@ def test_native_backend_applies_its_flags_per_call_and_restores_them():
 def test_record_kernels_returns_the_result():
     x, w, _ = _operands((1, 2, 3, 8, 8))
     result, kernels = record_kernels(lambda: NativeConv().forward(x, w), device="cpu")
-    assert result.shape == (1, 3, 8, 8) and kernels and all(isinstance(k, str) for k in kernels)
+    assert result.shape == (1, 3, 8, 8) and result.dtype == torch.float64
+    # the call's own output, not a stand-in: it agrees with the lab's direct float64 convolution
+    assert _rel(result, DirectConv().forward(x, w)) <= FLOAT64_AGREEMENT
+    assert kernels and all(isinstance(k, str) for k in kernels)
+    assert len(kernels) == len(set(kernels)), kernels  # each name once, in order of first appearance
+    assert "aten::conv2d" in kernels and all("conv" in k.lower() for k in kernels), kernels
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,5 +1,6 @@
 """Every notebook executed through papermill with params/quick.yaml, asserting what it found."""
 import math
+import struct
 
 import pandas as pd
 import papermill
@@ -7,6 +8,8 @@ import pytest
 import yaml
 
 from precision_lab.paths import NOTEBOOKS_DIR, PARAMS_DIR
+from precision_lab.plots import DPI
+from precision_lab.results import figure_caption
 
 NOTEBOOKS = sorted(p.stem for p in NOTEBOOKS_DIR.glob("[0-9][0-9]-*.ipynb"))
 QUICK = yaml.safe_load((PARAMS_DIR / "quick.yaml").read_text())
@@ -35,7 +38,15 @@ def test_notebook_writes_a_summary_and_a_headline_figure(executed, name):
     summary = pd.read_csv(folder / "summary.csv")
     assert list(summary.columns[:4]) == ["candidate", "experiment", "verdict", "headline"]
     assert len(summary) >= 1 and summary.verdict.isin(["roundoff", "reduced-precision", "layout", "defect", "inconclusive"]).all()
-    assert (folder / "headline.png").stat().st_size > 5_000
+    # one row per candidate, each of this notebook's experiment, each with its headline in words
+    assert summary.candidate.is_unique and (summary.experiment == name).all(), summary[["candidate", "experiment"]]
+    assert (summary.headline.fillna("").str.strip().str.len() > 0).all(), summary.headline
+    png = (folder / "headline.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5_000
+    width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk: pixels
+    # a plot with axes, labels and a legend, not an empty canvas: at least 6 × 3 inches at the lab's DPI
+    assert width >= 6 * DPI and height >= 3 * DPI, (width, height)
+    assert figure_caption(folder / "headline.png"), "the headline figure has no caption"
 
 
 def _verdicts(executed, name):

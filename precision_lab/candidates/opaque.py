@@ -32,9 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import formats
-from ..bundle import (FORMAT, MANIFEST, NPZ, BundleError, array_entries, check_memory, load_arrays, manifest_text,
-                      write_raw_array)
-from ..errors import LabInputError
+from ..bundle import (FORMAT, MANIFEST, NPZ, BundleError, array_entries, check_memory, expect_field, load_arrays,
+                      load_manifest, manifest_text, write_raw_array)
 from ..gradcheck import Evaluation, GradCheck, check_gradients
 from ..gradcheck.program import check_evaluation, exact_cast, storage_dtype
 from ..layout import check_layout
@@ -71,16 +70,8 @@ def read_start_bundle(directory: str | Path, claimed_precision: str) -> StartBun
     if not directory.is_dir():
         raise BundleError(f"{directory}: no such start bundle directory (expected a folder with {MANIFEST} and "
                           f"{NPZ} or raw binaries)")
-    if not manifest_path.is_file():
-        raise BundleError(f"{manifest_path}: missing (a start bundle is a folder with {MANIFEST} and {NPZ} or raw binaries)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{manifest_path}: not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict):
-        raise BundleError(f"{manifest_path}: expected a JSON object, got {type(manifest).__name__}")
-    if manifest.get("format") != FORMAT:
-        raise BundleError(f"{manifest_path}: key 'format' is {manifest.get('format')!r}, expected {FORMAT!r}")
+    manifest = load_manifest(manifest_path, f"a start bundle is a folder with {MANIFEST} and {NPZ} or raw binaries")
+    expect_field(manifest_path, manifest, "format", FORMAT)
     if manifest.get("kind") != "request":
         raise BundleError(f"{manifest_path}: key 'kind' is {manifest.get('kind')!r}, expected 'request' "
                           f"(a start bundle is the request the lab copies and perturbs)")
@@ -213,14 +204,7 @@ class OpaqueProgram:
 def read_response(directory: Path, exchange: str, dtype: np.dtype, shapes: dict[str, tuple[int, ...]]) -> Evaluation:
     """`loss` (shape ()) and `<param>.grad` for every parameter, in the request's dtype, all finite."""
     manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        raise BundleError(f"{manifest_path}: missing (the program must write bundle.json and its arrays there)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{manifest_path}: not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict):
-        raise BundleError(f"{manifest_path}: expected a JSON object, got {type(manifest).__name__}")
+    manifest = load_manifest(manifest_path, "the program must write bundle.json and its arrays there")
     for key, expected in (("format", FORMAT), ("kind", "response"), ("precision", exchange)):
         if manifest.get(key) != expected:
             raise BundleError(f"{manifest_path}: key {key!r} is {manifest.get(key)!r}, expected {expected!r}"
@@ -311,8 +295,8 @@ def _not_a_model(name: str, path: Path):
 # `precision-lab diagnose --candidate OPAQUE.yaml`
 
 
-def run_diagnose(candidate: OpaqueCandidate, args: argparse.Namespace) -> int:
-    """Check the candidate, print the verdict, write the JSON; exit 0 roundoff, 1 otherwise."""
+def run_diagnose(candidate: OpaqueCandidate, args: argparse.Namespace) -> GradCheck:
+    """Check the candidate and print the verdict; precision_lab.diagnose.main writes --json and exits."""
     ignored = [f"--{flag}" for flag in ("size", "batch") if getattr(args, flag, None) is not None]
     if ignored:
         print(f"note: {candidate.name} is opaque: its start bundle fixes the problem; {', '.join(ignored)} ignored",
@@ -326,11 +310,4 @@ def run_diagnose(candidate: OpaqueCandidate, args: argparse.Namespace) -> int:
     seed = nonnegative(getattr(args, "seed", None), "--seed") or 0
     result = candidate.check(seed=seed, max_calls=getattr(args, "max_calls", None), progress=True)
     print(result.to_text())
-    if args.json:
-        out = Path(args.json)
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result.to_json(), indent=1) + "\n")
-        except OSError as exc:
-            raise LabInputError(f"{out}: cannot write the JSON verdict ({exc.strerror})") from None
-    return 0 if result.verdict == "roundoff" else 1
+    return result

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from ..candidates import Candidate, CandidateError, resolve
 from ..compute import Trace
 from ..device import resolve_device
+from ..gradcheck.program import PROGRESS_ENV  # "0" from `precision-lab run`: no bars in the reports
 from ..model import load_model
 from ..paths import ROOT
 from ..problem import Problem, make_problem
@@ -23,10 +24,6 @@ from ..reference import reference
 
 _REFERENCE_CACHE: "OrderedDict[tuple, Trace]" = OrderedDict()
 _REFERENCE_CACHE_SIZE = 2  # a float64 trace at 1024² holds ~1.5 GB: keep few
-
-
-#: set to "0" by `precision-lab run`: its own per-cell progress shows, and bars would litter the reports
-PROGRESS_ENV = "PRECISION_LAB_PROGRESS"
 
 
 def progress(iterable=None, **kwargs):

@@ -5,7 +5,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
+
+from ..jsonable import json_safe
 
 if TYPE_CHECKING:  # annotations only: the evidence types import SETTLE_RTOL from here
     from .builds import BuildComparison
@@ -124,7 +125,7 @@ class GradCheck:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        return _json_safe({
+        return json_safe({
             "candidate": self.candidate, "kind": "opaque", "verdict": self.verdict,
             "claimed_precision": self.claimed_precision, "has_float64": self.has_float64,
             "headline": self.headline(),
@@ -149,17 +150,3 @@ class GradCheck:
                          "located": "; ".join(x.region for x in tensor.located),
                          "evidence": " | ".join(tensor.evidence)})
         return pd.DataFrame(rows)
-
-
-def _json_safe(value):
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, (float, np.floating)):
-        return float(value) if math.isfinite(value) else None
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, np.ndarray):
-        return _json_safe(value.tolist())
-    return value

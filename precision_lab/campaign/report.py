@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import plots, tables
-from .conclusions import Conclusion, Finding, Measurement
-from .errors import LabInputError
-from .verdict import VERDICTS, worst
+from .. import plots, tables
+from ..conclusions import Conclusion, Finding, Measurement
+from ..errors import LabInputError
+from ..findings import VERDICTS, worst
 
 #: normal quantile of a two-sided 95% interval
 Z95 = 1.959964
