@@ -76,7 +76,8 @@ from .localise import Located, localise
 from .noise import NOISE_MULTIPLIERS, NOISE_MULTIPLIERS_FLOAT32, NOISE_ULPS, Noise, measure_noise
 from .points import displaced, tensor_scales, tensor_step
 from .program import BudgetSpent, Calls, Oracle, default_budget, storage_dtype
-from .results import SETTLE_RTOL, GradCheck, TensorVerdict
+from .noise import SETTLE_RTOL
+from .results import GradCheck, TensorVerdict
 from .segments import Segment, check_segments, segment_panels
 from .stencils import LEVEL_FACTOR, MAX_DIRECTIONS, MAX_LEVELS, STEP_EXPONENT, Checker, Direction
 

@@ -8,10 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import formats
-from .noise import ALPHA, Noise, t_critical
+from .noise import ALPHA, SETTLE_RTOL, Noise, t_critical
 from .points import displaced, dot
 from .program import Calls, Evaluation
-from .results import SETTLE_RTOL
 from .segments import ROUNDING_SHARE, Segment
 
 #: a group's scaling segment moves each of its tensors between (1 − h) and (1 + h) of itself, h ≤ GROUP_REACH: any

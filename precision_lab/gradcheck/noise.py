@@ -24,6 +24,10 @@ NOISE_MULTIPLIERS_FLOAT32 = (-6, -5, -4, -3, -2, -1, 1, 2, 3, 4, 5, 6)
 ALPHA_CRITICAL_FLAT = 10.0
 #: two-sided false-alarm probability of one comparison (Student t with the noise fit's dof)
 ALPHA = 1e-4
+#: a tensor is settled when its check resolves the directional derivative to this relative
+#: accuracy: a wrong factor, sign, missing term or index moves it far more; float64 differences
+#: reach ~1e-10·√n, float32 ones ~1e-3 at best, which cannot settle anything
+SETTLE_RTOL = 1e-4
 
 
 def t_two_sided_p(k: float, dof: float) -> float:

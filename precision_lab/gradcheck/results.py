@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..jsonable import json_safe
 
-if TYPE_CHECKING:  # annotations only: the evidence types import SETTLE_RTOL from here
+if TYPE_CHECKING:  # annotations only
     from .builds import BuildComparison
     from .groups import Share
     from .localise import Located
@@ -17,10 +17,6 @@ if TYPE_CHECKING:  # annotations only: the evidence types import SETTLE_RTOL fro
     from .stencils import Direction
 
 VERDICTS = ("roundoff", "defect", "inconclusive")
-#: a tensor is settled when its check resolves the directional derivative to this relative
-#: accuracy: a wrong factor, sign, missing term or index moves it far more; float64 differences
-#: reach ~1e-10·√n, float32 ones ~1e-3 at best, which cannot settle anything
-SETTLE_RTOL = 1e-4
 
 
 @dataclass

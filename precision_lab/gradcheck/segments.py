@@ -7,10 +7,9 @@ from typing import Callable
 
 import numpy as np
 
-from .noise import ALPHA, Noise, t_critical
+from .noise import ALPHA, SETTLE_RTOL, Noise, t_critical
 from .points import displaced, dot, on_grid, random_unit, tensor_step
 from .program import Calls, Evaluation
-from .results import SETTLE_RTOL
 
 #: float32-only programs: each segment's length is chosen so that the loss difference's rounding takes this share
 #: of SETTLE_RTOL (the rest is left to the quadrature, which a shorter segment makes smaller); a quadrature-bounded
