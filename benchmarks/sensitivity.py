@@ -29,7 +29,7 @@ What a diagnosis (`precision-lab diagnose`, default probes) says about
    problem alone, as before probes existed.
 
 A diagnosis of an in-process candidate is its judgement on the requested problem and on each probe,
-the worst counting (precision_lab.diagnose). This script builds each problem's float64 reference and
+the worst counting (precision_lab.diagnosis). This script builds each problem's float64 reference and
 the native float32 result once and judges every slipped result against them with the same `judge`
 call `diagnose` makes (one problem at a time, so one 1024² reference is in memory at once); a caught
 slip is caught by at least one problem, the smallest ε caught overall is the smallest over problems

@@ -128,7 +128,7 @@ def bounds_ratio(problem, repeats: int = 3, device="cpu") -> dict:
 def builtin_cost(problem, repeats: int = 3, device="cpu", name: str = "native") -> dict:
     """Seconds an in-process diagnosis of a built-in candidate adds to its own run, and what the probes add."""
     from .candidates import get_builtin
-    from .diagnose import diagnose
+    from .diagnosis import diagnose
 
     candidate = get_builtin(name)
     candidate.compute(problem, "float32", device)  # warm-up

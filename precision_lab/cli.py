@@ -17,7 +17,7 @@ from .errors import LabInputError
 SUBCOMMANDS = {
     "run": ("precision_lab.report", "run the notebooks with papermill and render the HTML reports"),
     "rerun": ("precision_lab.rerun", "repeat an earlier run from its provenance (reports/<run-id>)"),
-    "diagnose": ("precision_lab.diagnose", "judge one candidate against the float64 reference; exit 0 only for roundoff"),
+    "diagnose": ("precision_lab.diagnosis", "judge one candidate against the float64 reference; exit 0 only for roundoff"),
     "export": ("precision_lab.export", "write a request bundle plus the float64 reference and its rounding bounds"),
     "campaign": ("precision_lab.campaign.cli", "run a grid of diagnoses on Dask: one Parquet table, a campaign report, resumable"),
     "bench": ("precision_lab.bench", "print benchmark ratios (float64 reference, cost of a diagnosis, algorithms)"),

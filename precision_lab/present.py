@@ -2,7 +2,7 @@
 
 The page is what a reviewer who never runs the lab reads: the verdict with what names it, the
 cause, the fix, the first failing quantity, what fails and the probes' verdicts — written from the
-same `Summary` as the text verdict (precision_lab.diagnose), so the two never disagree — then the
+same `Summary` as the text verdict (precision_lab.diagnosis), so the two never disagree — then the
 conclusion in words (precision_lab.conclusions) of the judgement that decided it, the run context,
 the evidence per quantity as a table for people (precision_lab.tables), the evidence lines and the
 error model used. Everything is escaped text;
@@ -28,7 +28,7 @@ def _model_rows(model: dict) -> list[tuple[str, str]]:
 
 
 def diagnosis_page(diagnosis, problem=None, device_info: dict | None = None, title: str | None = None) -> str:
-    """The whole HTML document for one diagnosis (precision_lab.diagnose.Diagnosis: a judgement alone is
+    """The whole HTML document for one diagnosis (precision_lab.decision.Diagnosis: a judgement alone is
     `Diagnosis(judgement)`; diagnose imports this module, so this one does not import it back)."""
     summary = diagnosis.summary()
     judgement = diagnosis.deciding()

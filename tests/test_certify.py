@@ -191,7 +191,7 @@ def test_a_deep_network_above_the_sampled_size_is_settled_by_its_probes(monkeypa
     # the problem is too large to sample; the probes are sampled and certify every quantity, a slip there too
     from precision_lab import sampled
     from precision_lab.candidates import Candidate
-    from precision_lab.diagnose import diagnose
+    from precision_lab.diagnosis import diagnose
 
     network = _deep_network()
     problem = make_problem(64, 2, 3, network=network)

@@ -15,7 +15,7 @@ import torch
 
 from precision_lab import errmodel
 from precision_lab.cli import main
-from precision_lab.diagnose import candidate_and_problem, diagnose
+from precision_lab.diagnosis import candidate_and_problem, diagnose
 from precision_lab.paths import ROOT
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference

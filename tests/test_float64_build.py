@@ -62,7 +62,7 @@ def test_every_notebook_reads_a_programs_float64_build_as_diagnose_does(tmp_path
     import torch
 
     from precision_lab.candidates import resolve
-    from precision_lab.diagnose import diagnose
+    from precision_lab.diagnosis import diagnose
     from precision_lab.experiments import decide_all, optimizer_step, size_sweep
     from precision_lab.problem import make_problem
 

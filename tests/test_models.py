@@ -200,7 +200,7 @@ def test_tf32_is_named_tf32_where_float16_rounds_the_same_operands_alike(size, b
     """TF32 and float16 share a 10-bit significand: where no value leaves float16's range their emulations
     agree to the bit and the level cannot choose; the lab names TF32 (the silent GPU default) and says why."""
     from precision_lab.candidates import get_builtin
-    from precision_lab.diagnose import diagnose
+    from precision_lab.diagnosis import diagnose
     from precision_lab.problem import make_problem
 
     problem = make_problem(size, batch, 0, network=load_model(str(SPECS["unet"])))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from precision_lab.candidates import registry
-from precision_lab.diagnose import diagnose
+from precision_lab.diagnosis import diagnose
 from precision_lab.experiments import decide_all, float64_recompilation, motivating, optimizer_step, size_sweep
 from precision_lab.model import load_model
 from precision_lab.paths import ROOT

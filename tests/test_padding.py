@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from precision_lab import cli
 from precision_lab.candidates import resolve
-from precision_lab.diagnose import diagnose
+from precision_lab.diagnosis import diagnose
 from precision_lab.model import ModelSpecError, load_model
 from precision_lab.modules import from_module
 from precision_lab.problem import make_problem

@@ -49,7 +49,7 @@ def _text_of(html: str) -> str:
 
 
 def test_page_and_text_say_the_same_from_one_summary(small_problem):
-    from precision_lab.diagnose import diagnose
+    from precision_lab.diagnosis import diagnose
     from precision_lab.probes import select
 
     diagnosis = diagnose(resolve("relu-mask-missing"), small_problem, "cpu", probes=select("odd-61x67"))
@@ -67,7 +67,7 @@ def test_page_and_text_say_the_same_from_one_summary(small_problem):
 
 
 def test_the_text_verdict_is_short_and_verbose_has_the_details(small_problem):
-    from precision_lab.diagnose import diagnose
+    from precision_lab.diagnosis import diagnose
     from precision_lab.probes import select
 
     diagnosis = diagnose(resolve("fortran-replay-flip"), small_problem, "cpu", probes=select("default"))

@@ -10,7 +10,7 @@ import yaml
 
 from precision_lab import conclusions
 from precision_lab.candidates import registry, resolve
-from precision_lab.diagnose import diagnose
+from precision_lab.diagnosis import diagnose
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference
 from precision_lab.verdict import judge

@@ -1,6 +1,6 @@
 """One cell of a campaign, diagnosed on a worker: the rows it adds to the table.
 
-Each cell is one `diagnose` (precision_lab.diagnose.diagnose), one Dask task
+Each cell is one `diagnose` (precision_lab.diagnosis.diagnose), one Dask task
 (precision_lab.campaign.run). The flag `tf32` means:
 
 * `builtin:native` (and its TF32 twins): `on` runs the TF32 build — `native-tf32` on a GPU,
@@ -84,7 +84,7 @@ def _diagnose_cell(params: dict) -> tuple[list[dict], dict]:
     from ..candidates import resolve
     from ..conv.backends import native_flags
     from ..device import describe_device, resolve_device
-    from ..diagnose import candidate_and_problem, diagnose
+    from ..diagnosis import candidate_and_problem, diagnose
 
     where = resolve_device(params["device"])
     flags = dict(f.split("=", 1) for f in params["flags"].split(",") if f)

@@ -296,7 +296,7 @@ def _not_a_model(name: str, path: Path):
 
 
 def run_diagnose(candidate: OpaqueCandidate, args: argparse.Namespace) -> GradCheck:
-    """Check the candidate and print the verdict; precision_lab.diagnose.main writes --json and exits."""
+    """Check the candidate and print the verdict; precision_lab.diagnosis.main writes --json and exits."""
     ignored = [f"--{flag}" for flag in ("size", "batch") if getattr(args, flag, None) is not None]
     if ignored:
         print(f"note: {candidate.name} is opaque: its start bundle fixes the problem; {', '.join(ignored)} ignored",

@@ -130,7 +130,7 @@ def decide_candidate(candidate: Candidate, problem: Problem, device: torch.devic
     (ProbeRun, Judgement) of further problems the experiment judged (a sweep's other sizes)."""
     from .. import probes as probe_set
     from ..decision import decide
-    from ..diagnose import float64_build_evidence, has_float64_build, judge_probes
+    from ..diagnosis import float64_build_evidence, has_float64_build, judge_probes
 
     if "float64_build" not in evidence and has_float64_build(candidate, judgement):  # as diagnose reads it
         result32 = candidate.compute(problem, "float32", device)
