@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from precision_lab import campaign
+from precision_lab.provenance import run_recorded
 
 
 def _spec(folder: Path, args) -> Path:
@@ -100,4 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_recorded(__doc__.strip().splitlines()[0].rstrip('.'), main)

@@ -25,6 +25,7 @@ from precision_lab.reference import reference
 from precision_lab.decision import decide
 from precision_lab.verdict import judge
 from precision_lab.compare import bound_fraction
+from precision_lab.provenance import run_recorded
 import numpy as np
 
 
@@ -83,4 +84,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_recorded(__doc__.strip().splitlines()[0].rstrip('.'), main)

@@ -17,6 +17,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from precision_lab.experiments.gradient_check import FLOAT32_KINDS, float32_resolution, resolution_table  # noqa: E402
+from precision_lab.provenance import run_recorded  # noqa: E402
 
 
 def main() -> int:
@@ -39,4 +40,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_recorded(__doc__.strip().splitlines()[0].rstrip('.'), main))

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from precision_lab.provenance import run_recorded
+
 OPAQUE = Path(__file__).resolve().parents[1] / "examples" / "opaque"
 
 
@@ -68,4 +70,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_recorded(__doc__.strip().splitlines()[0].rstrip('.'), main)

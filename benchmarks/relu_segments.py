@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from precision_lab.experiments.gradient_check import segment_against_length
+from precision_lab.provenance import run_recorded
 
 OPAQUE = Path(__file__).resolve().parents[1] / "examples" / "opaque"
 
@@ -48,4 +49,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_recorded(__doc__.strip().splitlines()[0].rstrip('.'), main)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from precision_lab import roundoff
+from precision_lab.provenance import run_recorded
 
 U = 2.0 ** -24
 
@@ -104,4 +105,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_recorded(__doc__.strip().splitlines()[0].rstrip('.'), main)

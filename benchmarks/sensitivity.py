@@ -59,6 +59,7 @@ from precision_lab.problem import Problem, make_problem, parse_size
 from precision_lab.reference import reference
 from precision_lab.decision import decide
 from precision_lab.verdict import judge, worst
+from precision_lab.provenance import run_recorded
 
 #: the slips a diagnosis at 1024² with its default probes must catch (0.1% of the largest element, 1% of a median one)
 TARGETS = {"largest": 1e-3, "median": 1e-2}
@@ -511,4 +512,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_recorded(__doc__.strip().splitlines()[0].rstrip('.'), main)

@@ -20,6 +20,7 @@ from precision_lab.model import load_model
 from precision_lab.ops import Kernels
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference
+from precision_lab.provenance import run_recorded
 
 NETWORKS = ("seed:128", "examples/models/small-unet.json:64", "examples/models/dilated-resnet.yaml:64",
             "examples/models/lenet-classifier.json:28", "examples/models/tf-lenet.json:128",
@@ -66,4 +67,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_recorded(__doc__.strip().splitlines()[0].rstrip('.'), main)

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import yaml
 
+from precision_lab.provenance import run_recorded
+
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = Path(__file__).resolve().parent / "frameworks"
 MODELS = ROOT / "examples" / "models"
@@ -127,4 +129,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_recorded(__doc__.strip().splitlines()[0].rstrip('.'), main))

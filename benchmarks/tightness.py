@@ -28,6 +28,7 @@ from precision_lab.compute import forward_backward
 from precision_lab.model import load_model
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference
+from precision_lab.provenance import run_recorded
 
 MODELS = Path(__file__).resolve().parents[1] / "examples" / "models"
 NETWORKS = {"seed": ("seed", 128), "small-unet": (MODELS / "small-unet.json", 64),
@@ -127,4 +128,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_recorded(__doc__.strip().splitlines()[0].rstrip('.'), main)

@@ -29,6 +29,7 @@ from precision_lab.model import load_model
 from precision_lab.ops import is_seed_conv
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference
+from precision_lab.provenance import run_recorded
 
 MODELS = Path(__file__).resolve().parents[1] / "examples" / "models"
 NETWORKS = (("seed", 128), (MODELS / "small-unet.json", 32), (MODELS / "small-unet.json", 64),
@@ -94,4 +95,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_recorded(__doc__.strip().splitlines()[0].rstrip('.'), main)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from precision_lab import errmodel, formats
 from precision_lab.conv.algorithms import WinogradConv
 from precision_lab.roundoff import probabilistic_gamma
+from precision_lab.provenance import run_recorded
 
 
 def main() -> None:
@@ -48,4 +49,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_recorded(__doc__.strip().splitlines()[0].rstrip('.'), main)

@@ -7,9 +7,13 @@ reads it back from `reports/<run-id>/provenance.json`.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import io
 import json
+import os
 import platform
+import shlex
 import socket
 import subprocess
 import sys
@@ -140,3 +144,61 @@ def read(folder: str | Path) -> dict:
     if not isinstance(provenance, dict) or not isinstance(provenance.get("parameters"), dict):
         raise LabInputError(f"{path}: key 'parameters' missing or not a mapping (expected a run's provenance)")
     return provenance
+
+
+# ---------------------------------------------------------------------------------------------
+# the results document: what the benchmark scripts measured, written by them
+
+
+#: the one document of measured figures (docs/results.md); benchmark scripts append to it with --record
+RESULTS = ROOT / "docs" / "results.md"
+
+
+class _Tee(io.TextIOBase):
+    """Writes to the terminal and keeps a copy."""
+
+    def __init__(self, stream):
+        self.stream, self.copy = stream, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.copy.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def record_heading(title: str, argv: list[str] | None = None, root: Path = ROOT) -> str:
+    """A results section's heading and the lines that say what gave it: command, commit, date, machine, load."""
+    argv = sys.argv if argv is None else argv
+    state = git_state(root)
+    commit = (state["commit"] or "unknown")[:7] + (" with uncommitted changes" if state["dirty"] else "")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
+    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(argv[0], root), *argv[1:]])
+    return (f"## {title}\n\n```\n{command}\n```\n\ncommit {commit}, "
+            f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} with "
+            f"{os.cpu_count()} cores, load {load}; {socket.gethostname()}\n")
+
+
+def run_recorded(title: str, main, path: Path = RESULTS):
+    """Run a benchmark's `main()`; with `--record` among its arguments, append what it printed to `path` under
+    `title` with the command, commit, date and machine that gave it, also when it stops on an error."""
+    record = "--record" in sys.argv[1:]
+    if not record:
+        return main()
+    sys.argv = [arg for arg in sys.argv if arg != "--record"]
+    tee = _Tee(sys.stdout)
+    stopped = None
+    try:
+        with contextlib.redirect_stdout(tee):
+            return main()
+    except BaseException as exc:  # noqa: BLE001 - recorded, then raised again
+        stopped = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        body = tee.copy.getvalue().rstrip("\n")
+        section = record_heading(title) + f"\n```text\n{body}\n```\n" + (f"\nstopped: {stopped}\n" if stopped else "")
+        with Path(path).open("a", encoding="utf-8") as handle:
+            handle.write("\n" + section)
+        print(f"recorded in {path}", file=sys.stderr)
+
