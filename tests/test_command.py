@@ -244,7 +244,7 @@ def test_diagnosis_stopped_during_the_reference_kills_the_running_program(folder
 
     import psutil
 
-    from precision_lab import diagnose as diagnose_module, reference as reference_module
+    from precision_lab import diagnosis as diagnosis_module, reference as reference_module
 
     pid_file = folder / "pid.txt"
     candidate = resolve(str(_yaml(folder, "sleep", env={"EXAMPLE_DIR": str(EXAMPLE.parent), "PID_FILE": str(pid_file)})))
@@ -259,7 +259,7 @@ def test_diagnosis_stopped_during_the_reference_kills_the_running_program(folder
     monkeypatch.setattr(reference_module, "reference", interrupted_reference)  # diagnose imports it when it runs
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        diagnose_module.diagnose(candidate, problem, "cpu")
+        diagnosis_module.diagnose(candidate, problem, "cpu")
     assert time.monotonic() - start < 20  # the program sleeps 30 s: it was killed, not waited for
     assert not psutil.pid_exists(int(pid_file.read_text()))
 
