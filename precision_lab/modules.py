@@ -12,6 +12,7 @@ from torch import nn
 
 from .model import ModelSpecError, Network, parse_spec
 from .ops import LOSSES, OPS, OpSpecError
+from .ops.losses import MSE
 
 
 class SpecModule(nn.Module):
@@ -59,7 +60,7 @@ class SpecModule(nn.Module):
 # module → spec
 
 
-def from_module(module: nn.Module, input_channels: int | None = None, loss: str = "mse", name: str | None = None) -> Network:
+def from_module(module: nn.Module, input_channels: int | None = None, loss: str = MSE.name, name: str | None = None) -> Network:
     """A Network from an nn.Sequential or a torch.fx-traceable module built from supported ops.
 
     Parameter names stay PyTorch's (`state_dict` keys). `input_channels` defaults to the first
