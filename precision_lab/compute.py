@@ -124,7 +124,8 @@ def _derivable_output(network: Network, index: int) -> bool:
     """A layer whose output is recomputed from its input (a ReLU) need not be stored."""
     layer = network.layers[index]
     op = OPS[layer.op]
-    return getattr(op, "derive_output", None) is not None and layer.source is None and index != len(network.layers) - 1
+    return (getattr(op, "derive_output", None) is not None and len(layer.inputs) == 1
+            and index != len(network.layers) - 1)
 
 
 def _derivable_grad(network: Network, index: int) -> bool:
@@ -133,7 +134,7 @@ def _derivable_grad(network: Network, index: int) -> bool:
     if len(readers) != 1 or index == len(network.layers) - 1:
         return False
     reader = network.layers[readers[0]]
-    return getattr(OPS[reader.op], "derive_input_grad", None) is not None and reader.source is None
+    return getattr(OPS[reader.op], "derive_input_grad", None) is not None and len(reader.inputs) == 1
 
 
 def forward_backward(problem: Problem, dtype: str = "float32", device: str | torch.device = "cpu",
@@ -179,7 +180,7 @@ def _forward_backward(problem, dtype, device, kernels, keep_trace, rules, interm
             inputs = [values[i] for i in layer.inputs]
             source = layer.inputs[0]
             in_place = (saving and getattr(op, "forward_inplace", None) is not None and source >= 0
-                        and len(network.consumers[source]) == 1 and layer.source is None)
+                        and len(network.consumers[source]) == 1 and len(layer.inputs) == 1)
             if keep_trace and source >= 0 and in_place:
                 stored_values[source] = keep(inputs[0], source) if stored_values[source] is None else stored_values[source]
             y = op.forward_inplace(layer.attrs, inputs[0]) if in_place else op.forward(
@@ -248,7 +249,7 @@ def _will_be_overwritten(network: Network, index: int, rules: dict) -> bool:
         return False
     reader = network.layers[readers[0]]
     op = rules.get(reader.index) or (reader.name and rules.get(reader.name)) or rules.get(reader.op) or OPS[reader.op]
-    return getattr(op, "forward_inplace", None) is not None and reader.source is None
+    return getattr(op, "forward_inplace", None) is not None and len(reader.inputs) == 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -213,6 +213,9 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
             out[name] = _quantity(name, part, u, network.param_shapes[name])
         for i, field in zip(layer.inputs, input_grads):
             if field is not None:
+                if layer.index == last:  # the loss's float64 error, passed on unchanged (a sub, an add): float32 below
+                    field = GradField(_f32(field.error), None if field.flips is None else _f32(field.flips),
+                                      field.radius, field.flip_count, field.owned)
                 pending.setdefault(i, []).append(field)
         fields.pop(layer.index)  # every reader of this output is behind us: free its value and error
         del g, grad, contributions

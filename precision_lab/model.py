@@ -42,6 +42,8 @@ SEED_FORM_ACTIVATIONS = tuple(name for name, op in OPS.items() if op.elementwise
 MAX_SPEC_BYTES = 1 << 20
 #: image sides searched when a network fixes its input size (a linear layer after a flatten)
 LARGEST_SIDE = 4096
+#: sides tried (this to 4×) to see whether a flatten's image follows the input's size
+MIN_FREE_SIDE = 16
 
 
 class ModelSpecError(LabInputError):
@@ -56,7 +58,8 @@ class Layer:
     op: str
     attrs: dict = field(hash=False, compare=False)
     name: str | None = None
-    source: int | None = None  # add/concat: index of the layer named in `from`
+    source: int | None = None  # a two-input op: index of its second input (`from`, or inputs[1])
+    reads: tuple[int, ...] | None = None  # the indices named by `inputs` (None: the previous layer, and `from`)
 
     @property
     def label(self) -> str:
@@ -66,6 +69,8 @@ class Layer:
     @property
     def inputs(self) -> tuple[int, ...]:
         """Indices of the layers whose outputs it reads (−1: the network input)."""
+        if self.reads is not None:
+            return self.reads
         return (self.index - 1,) if self.source is None else (self.index - 1, self.source)
 
 
@@ -171,8 +176,15 @@ class Network:
 
     @cached_property
     def has_fixed_size(self) -> bool:
-        """True when a flatten feeds a linear layer: the image size is then fixed by its `in`."""
-        return any(OPS[layer.op].flattens for layer in self.layers)
+        """True when a flatten feeds a linear layer an image whose size follows the input's: the image size is then
+        fixed by the linear layer's `in` (a global pool before the flatten leaves every size free)."""
+        if not any(OPS[layer.op].flattens for layer in self.layers):
+            return False
+        for axis in (0, 1):
+            reached = {self._flatten_length(axis, n) for n in range(MIN_FREE_SIDE, 4 * MIN_FREE_SIDE)} - {None}
+            if len(reached) != 1:
+                return True
+        return False
 
     def sizes_near(self, height: int, width: int, limit: int = 8) -> list[tuple[int, int]]:
         """Up to `limit` sizes (H, W) this network takes, nearest to height × width first."""
@@ -193,7 +205,7 @@ class Network:
         lengths: dict[int, int | None] = {-1: length}
         for layer in self.layers:
             if OPS[layer.op].flattens:
-                return lengths[layer.index - 1]
+                return lengths[layer.inputs[0]]
             try:
                 lengths[layer.index] = OPS[layer.op].axis_length(layer.attrs, [lengths[i] for i in layer.inputs], axis)
             except OpSpecError:
@@ -204,7 +216,7 @@ class Network:
         """Every (H, W) up to LARGEST_SIDE whose flattened size matches the linear layer after the flatten."""
         flatten = next(layer for layer in self.layers if OPS[layer.op].flattens)
         symbolic = self._symbolic_shapes()
-        channels = symbolic[flatten.index - 1][0]
+        channels = symbolic[flatten.inputs[0]][0]
         consumer = next((layer for layer in self.layers[flatten.index + 1:] if OPS[layer.op].parametrised), None)
         if consumer is None:
             return []
@@ -367,24 +379,52 @@ def _layer(raw, index: int, names: dict[str, int], where: str) -> Layer:
     label = f"{where}: {name}" if name else label + f" ({op})"
     if name in names:
         raise ModelSpecError(f"{label}: duplicate layer name (layer {names[name] + 1} has it too)")
+    if name == NETWORK_INPUT:
+        raise ModelSpecError(f"{label}: the name {NETWORK_INPUT!r} means the network's input in 'inputs': "
+                             f"choose another")
     if OPS[op].parametrised and not name:
         raise ModelSpecError(f"{label}: a {op} layer has parameters and needs a unique 'name' "
                              f"(its parameters are '<name>.weight' and '<name>.bias')")
-    attrs = {k: v for k, v in raw.items() if k not in ("op", "name", "from")}
-    source = None
-    if OPS[op].combines:
+    attrs = {k: v for k, v in raw.items() if k not in ("op", "name", "from", "inputs")}
+    source, reads = None, None
+    arity = 2 if OPS[op].combines else 1
+    if "inputs" in raw:
+        reads = _named_inputs(raw, arity, names, label)
+        source = reads[1] if arity == 2 else None
+    elif OPS[op].combines:
         target = raw.get("from")
         if target not in names:
             earlier = ", ".join(names) or "none"
             raise ModelSpecError(f"{label}: 'from' is {target!r}, which names no earlier layer (named earlier: {earlier})")
         source = names[target]
     elif "from" in raw:
-        raise ModelSpecError(f"{label}: key 'from' belongs to add and concat only")
+        raise ModelSpecError(f"{label}: key 'from' belongs to ops of two inputs only "
+                             f"({', '.join(n for n, o in OPS.items() if o.combines)}); 'inputs' names any layer's")
     try:
         attrs = OPS[op].normalise(attrs)
     except OpSpecError as exc:
         raise ModelSpecError(f"{label}: {exc}") from None
-    return Layer(index, op, attrs, name, source)
+    return Layer(index, op, attrs, name, source, reads)
+
+
+#: the name `inputs` gives the network's own input (no layer may take it)
+NETWORK_INPUT = "input"
+
+
+def _named_inputs(raw: dict, arity: int, names: dict[str, int], label: str) -> tuple[int, ...]:
+    """The layer indices (−1: the network input) that a layer's `inputs` names, `arity` of them, all earlier."""
+    given = raw["inputs"]
+    if "from" in raw:
+        raise ModelSpecError(f"{label}: give 'inputs' or 'from', not both")
+    if not isinstance(given, list) or len(given) != arity or not all(isinstance(n, str) for n in given):
+        raise ModelSpecError(f"{label}: 'inputs' is {given!r}: expected a list of {arity} layer name"
+                             f"{'s' if arity > 1 else ''} (or \"{NETWORK_INPUT}\" for the network's input)")
+    unknown = [n for n in given if n != NETWORK_INPUT and n not in names]
+    if unknown:
+        earlier = ", ".join(names) or "none"
+        raise ModelSpecError(f"{label}: 'inputs' names {unknown[0]!r}, which is no earlier layer (named earlier: "
+                             f"{earlier}, and \"{NETWORK_INPUT}\")")
+    return tuple(-1 if n == NETWORK_INPUT else names[n] for n in given)
 
 
 def _check_chain(network: Network, where: str) -> None:
@@ -395,6 +435,10 @@ def _check_chain(network: Network, where: str) -> None:
             shapes[layer.index] = tuple(OPS[layer.op].out_shape(layer.attrs, [shapes[i] for i in layer.inputs]))
         except OpSpecError as exc:
             raise ModelSpecError(f"{where}: {layer.label}: {exc}") from None
+    unread = [layer for layer in network.layers[:-1] if not network.consumers[layer.index]]
+    if unread:
+        raise ModelSpecError(f"{where}: {unread[0].label}: its output is read by no layer and is not the network's "
+                             f"output (the last layer): name it in a later layer's 'inputs', or remove it")
     try:
         LOSSES[network.loss].check_output(shapes[len(network.layers) - 1], "")
     except OpSpecError as exc:

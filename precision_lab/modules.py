@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .model import ModelSpecError, Network, parse_spec
+from .model import NETWORK_INPUT, ModelSpecError, Network, parse_spec
 from .ops import LOSSES, OPS, OpSpecError
 from .ops.losses import MSE
 
@@ -48,7 +48,7 @@ class SpecModule(nn.Module):
         outputs = {-1: x}
         for layer in self.network.layers:
             op = OPS[layer.op]
-            xs = [outputs[layer.index - 1]] + ([outputs[layer.source]] if op.combines else [])
+            xs = [outputs[i] for i in layer.inputs]
             outputs[layer.index] = op.torch_forward(layer.attrs, xs, self._module(layer.name) if op.parametrised else None)
         return outputs[len(self.network.layers) - 1]
 
@@ -103,8 +103,9 @@ def _module_layer(module: nn.Module, name: str) -> dict:
 
 
 def _traced_layers(module: nn.Module) -> list[dict]:
-    """Layers of an fx-traced module, in graph order; every layer reads the previous one, and add/cat
-    the output of an earlier named layer too (the spec's form)."""
+    """Layers of an fx-traced module, in graph order: a layer that reads the previous one says nothing, a two-input
+    op whose first input is the previous names its second in 'from', any other names what it reads in 'inputs'
+    (the network's input as "input")."""
     import torch.fx
 
     try:
@@ -113,12 +114,20 @@ def _traced_layers(module: nn.Module) -> list[dict]:
         raise ModelSpecError(f"{type(module).__name__}: torch.fx cannot trace it ({type(exc).__name__}: "
                              f"{' '.join(str(exc).split())[:200]}); build it from supported ops or as nn.Sequential")
     submodules = dict(module.named_modules())
-    layers, index_of, previous = [], {}, None
+    layers, by_node, previous, network_input = [], {}, None, None
+
+    def named(node_name: str) -> str:
+        if node_name == network_input:
+            return NETWORK_INPUT
+        layer = by_node[node_name]
+        layer.setdefault("name", node_name)
+        return layer["name"]
+
     for node in graph.nodes:
         if node.op == "placeholder":
-            if previous is not None:
+            if network_input is not None:
                 raise ModelSpecError(f"{type(module).__name__}: more than one input ({node.name})")
-            index_of[node.name], previous = -1, node.name
+            network_input = previous = node.name
             continue
         if node.op == "output":
             if node.args[0].name != previous:
@@ -129,24 +138,17 @@ def _traced_layers(module: nn.Module) -> list[dict]:
                                  f"of supported ops are supported")
         layer, inputs = _node_layer(node, submodules)
         tensors = [a.name for a in inputs]
-        if not tensors or tensors[0] != previous:
-            first = tensors[0] if tensors else "nothing"
-            raise ModelSpecError(f"{node.name}: reads {first!r}, not the previous layer {previous!r}: the spec runs "
-                                 f"layers in order (only add and concat read a second input, named by 'from')")
-        if OPS[layer["op"]].combines:
-            if len(tensors) != 2:
-                raise ModelSpecError(f"{node.name}: {layer['op']} of {len(tensors)} tensors; the spec combines two")
-            other = tensors[1]
-            earlier = next((lay for lay in layers if lay.get("_node") == other), None)
-            if earlier is None:
-                raise ModelSpecError(f"{node.name}: combines the network input directly; add a layer before it")
-            earlier.setdefault("name", other)
-            layer["from"] = earlier["name"]
-        layer["_node"] = node.name
+        arity = 2 if OPS[layer["op"]].combines else 1
+        if len(tensors) != arity:
+            raise ModelSpecError(f"{node.name}: {layer['op']} of {len(tensors)} tensors; the spec's {layer['op']} "
+                                 f"reads {arity}")
+        if arity == 2 and tensors[0] == previous and tensors[1] != network_input:
+            layer["from"] = named(tensors[1])
+        elif tensors != [previous]:
+            layer["inputs"] = [named(t) for t in tensors]
+        by_node[node.name] = layer
         layers.append(layer)
         previous = node.name
-    for layer in layers:
-        layer.pop("_node", None)
     return layers
 
 

@@ -198,7 +198,8 @@ def _port_slips(family: str):
         for layer, slip in slips:
             if slip.borrows:
                 continue
-            skip = network.layers[layer.source].label if layer.source is not None else None
+            skip = None if layer.source is None else (network.layers[layer.source].label if layer.source >= 0
+                                                      else "the network's input")
             if slip.feature_order is not None:
                 if layer.index + 1 >= len(network.layers):
                     continue
