@@ -9,7 +9,7 @@ import numpy as np
 
 from ..compute import GradBuffer, Result, Trace
 from ..findings import Finding
-from ..layout import canonical_for, from_layout, layout_for, shape_in_layout
+from ..layout import canonical_for, from_layout, layout_for, shape_in_layout, to_layout
 
 
 def transforms(ndim: int) -> list[tuple[str, tuple[str, ...]]]:
@@ -49,7 +49,10 @@ def layout_fits(buffer: GradBuffer, ref: np.ndarray, bound: np.ndarray) -> list[
     """Transforms that bring the buffer within `bound` of `ref`, simplest first (the declared reading excluded)."""
     declared = layout_for(ref.ndim, buffer.declared) if len(buffer.declared) == 4 else buffer.declared
     candidates = [(held, flipped) for held, flipped in transforms(ref.ndim) if (held, flipped) != (declared, ())]
-    candidates.sort(key=lambda c: (sum(a != b for a, b in zip(c[0], declared)) + len(c[1]), c))
+    # simplest first: fewest axes out of place and flips, then the shortest moves (a 1×1 kernel's OIHW read as IOHW
+    # and as HIOW are the same bytes: the swap of O and I is the plainer name)
+    candidates.sort(key=lambda c: (sum(a != b for a, b in zip(c[0], declared)) + len(c[1]),
+                                   sum(abs(c[0].index(axis) - declared.index(axis)) for axis in declared), c))
     fits = []
     for held, flipped in candidates:
         fixed = read_buffer(buffer, ref.shape, held, flipped)
@@ -114,3 +117,34 @@ def layouts(quantities, result: Result, reference: Trace, pairs, bounds) -> list
     return findings
 
 
+def same_reading(expected: str, named: str, shapes) -> bool:
+    """Whether two transform names ('layout WHIO', 'flip HW', …) read every weight of these canonical shapes alike:
+    a 1×1 kernel's OIHW written as IOHW is, byte for byte, written as HIOW too, and either name is right."""
+    if expected == named:
+        return True
+    readings = []
+    for text in (expected, named):
+        held, flipped = None, ()
+        for part in text.split(" + "):
+            kind, _, value = part.partition(" ")
+            if kind == "layout":
+                held = value
+            elif kind == "flip":
+                flipped = tuple(value)
+            else:
+                return False
+        readings.append((held, flipped))
+    for shape in shapes:
+        declared = canonical_for(len(shape))
+        truth = np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape)
+        read = []
+        for held, flipped in readings:
+            held = held or declared
+            if len(held) != len(shape):
+                return False
+            axes = tuple(declared.index(a) for a in flipped)
+            written = to_layout(np.flip(truth, axis=axes) if axes else truth, held).ravel()
+            read.append(read_buffer(GradBuffer(written, declared, "C"), shape, declared, ()))
+        if not np.array_equal(read[0], read[1]):
+            return False
+    return True

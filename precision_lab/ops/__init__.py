@@ -480,6 +480,7 @@ def n_spatial(shape) -> int:
 
 
 from . import layers, losses, pointwise, routing  # noqa: E402,F401 - each registers its ops
+from . import arithmetic  # noqa: E402,F401 - registered after routing: its ops build on add
 
 __all__ = ["BackwardReplaced", "BoundContext", "Field", "GradField", "Kernels", "LOSSES", "OPS", "Op", "OpSpecError",
            "OtherAttributes", "Parts", "PortSlip", "REQUIRED", "Rule", "SEED_CONV", "SPARSE_LIMIT", "has_values", "is_seed_conv", "register", "register_loss",

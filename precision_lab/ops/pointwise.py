@@ -19,7 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import BoundContext, Field, GradField, Op, OpSpecError, OtherAttributes, PortSlip, Rule, register, sparse_enough
+from . import (BoundContext, Field, GradField, Op, OpSpecError, OtherAttributes, PortSlip, Rule, register,
+               sparse_enough)
 from .. import formats
 
 #: z is read as its float32 rounding, |fl(z) − z| ≤ u₃₂·|z| (Higham 2002, Thm 2.2); 1 + 2u₃₂ covers that
@@ -267,6 +268,10 @@ class Smooth(Op):
         # the product's rounding and twice the evaluation error of f' (as backward_error)
         return [g.abs() * (u * slope.abs() + 2 * self.evaluation_error(attrs, z, slope.abs(), slope.abs(), u))]
 
+    def curvature(self, attrs) -> float:
+        """M₂ = sup|f''| for these attributes (the class's second_derivative_bound unless they change it)."""
+        return self.second_derivative_bound
+
     def f(self, attrs, z):
         raise NotImplementedError
 
@@ -288,7 +293,7 @@ class Smooth(Op):
         own = self.evaluation_error(attrs, z, y, slope, ctx.u)
         if error is None:
             return Field(y, own, ins[0].radius, ins[0].flips)
-        return Field(y, (slope.abs() + self.second_derivative_bound * error) * error + own, ins[0].radius, ins[0].flips)
+        return Field(y, (slope.abs() + self.curvature(attrs) * error) * error + own, ins[0].radius, ins[0].flips)
 
     def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
         if not need[0]:
@@ -298,7 +303,7 @@ class Smooth(Op):
         # the candidate's f'(ẑ) (from ẑ or from its f(ẑ)): within M₂E_z plus twice the evaluation error
         slope_error = 2 * self.evaluation_error(attrs, z, slope, slope, ctx.u)
         if error is not None:
-            slope_error = slope_error + self.second_derivative_bound * error * STORED_WIDENING
+            slope_error = slope_error + self.curvature(attrs) * error * STORED_WIDENING
         total = grad.error * (slope + slope_error) + g.abs() * slope_error
         flips = grad.flips * (slope + slope_error) if _has(grad.flips) else None
         return [GradField(total, flips, grad.radius, grad.flip_count)], {}
@@ -386,5 +391,145 @@ class GELU(Smooth):
         return slope
 
 
-for _op in (ReLU(), LeakyReLU(), Tanh(), Sigmoid(), GELU()):
+class SiLU(Smooth):
+    name = "silu"
+    #: sup|silu''| = 1/2 at z = 0: silu'' = σ'(z)·(2 + z(1 − 2σ(z))), σ'(0) = 1/4 (tests/test_ops_new.py checks)
+    second_derivative_bound = 0.5
+
+    torch_modules = (torch.nn.SiLU,)
+    torch_calls = (F.silu,)
+
+    def torch_forward(self, attrs, xs, module):
+        return F.silu(xs[0])
+
+    def f(self, attrs, z):
+        return F.silu(z)
+
+    def df(self, attrs, z):
+        s = torch.sigmoid(z)
+        return s * (1 + z * (1 - s))
+
+
+class ELU(Smooth):
+    name = "elu"
+    keys = {"alpha": 1.0}
+
+    torch_modules = (torch.nn.ELU,)
+    torch_calls = (F.elu,)
+
+    def check(self, attrs):
+        alpha = attrs["alpha"]
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
+            raise OpSpecError(f"'alpha' is {alpha!r}: expected a non-negative number")
+        attrs["alpha"] = float(alpha)
+        return attrs
+
+    def curvature(self, attrs):
+        return attrs["alpha"]  # f'' = α·eᶻ for z < 0, 0 above: sup α (at z → 0⁻)
+
+    def from_torch_module(self, module):
+        return {"alpha": float(module.alpha)}
+
+    def from_torch_call(self, target, args, kwargs):
+        return {"alpha": float(kwargs.get("alpha", args[1] if len(args) > 1 else 1.0))}
+
+    def describe(self, attrs):
+        return f"elu α={attrs['alpha']:g}" if attrs["alpha"] != 1.0 else "elu"
+
+    def torch_forward(self, attrs, xs, module):
+        return F.elu(xs[0], attrs["alpha"])
+
+    def f(self, attrs, z):
+        return F.elu(z, attrs["alpha"])
+
+    def df(self, attrs, z):
+        return torch.where(z > 0, torch.ones_like(z), attrs["alpha"] * torch.exp(torch.clamp(z, max=0.0)))
+
+
+class Softplus(Smooth):
+    name = "softplus"
+    #: sup|softplus''| = sup σ(1 − σ) = 1/4 at z = 0
+    second_derivative_bound = 0.25
+
+    torch_modules = (torch.nn.Softplus,)
+    torch_calls = (F.softplus,)
+
+    def from_torch_module(self, module):
+        if module.beta != 1 or module.threshold != 20:
+            raise OpSpecError(f"Softplus(beta={module.beta}, threshold={module.threshold}): only the defaults "
+                              f"(beta=1, threshold=20) are supported")
+        return {}
+
+    def torch_forward(self, attrs, xs, module):
+        return F.softplus(xs[0])
+
+    def f(self, attrs, z):
+        return F.softplus(z)  # z itself above 20, as PyTorch: 2·10⁻⁹ from log(1 + eᶻ), far below float32's u
+
+    def df(self, attrs, z):
+        return torch.sigmoid(z)
+
+
+class Mish(Smooth):
+    name = "mish"
+    #: sup|mish''| = 0.6442 at z ≈ −0.088 (a 10⁻⁴ grid over [−40, 40]; tests/test_ops_new.py checks), rounded up
+    second_derivative_bound = 0.65
+
+    torch_modules = (torch.nn.Mish,)
+    torch_calls = (F.mish,)
+
+    def torch_forward(self, attrs, xs, module):
+        return F.mish(xs[0])
+
+    def f(self, attrs, z):
+        return F.mish(z)
+
+    def df(self, attrs, z):
+        t = torch.tanh(F.softplus(z))
+        return t + z * (1 - t * t) * torch.sigmoid(z)
+
+
+class Dropout(Op):
+    """Dropout at evaluation: the identity (a training mask would be a second input the request carries)."""
+
+    name = "dropout"
+    keys = {"p": 0.5}
+    elementwise = True
+
+    torch_modules = (torch.nn.Dropout,)
+    torch_calls = (F.dropout,)
+
+    def check(self, attrs):
+        p = attrs["p"]
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+            raise OpSpecError(f"'p' is {p!r}: expected a probability in [0, 1)")
+        attrs["p"] = float(p)
+        return attrs
+
+    def from_torch_module(self, module):
+        return {"p": float(module.p)}
+
+    def from_torch_call(self, target, args, kwargs):
+        if kwargs.get("training", False):
+            raise OpSpecError("F.dropout(training=True): a random mask; the spec's dropout is the identity "
+                              "of evaluation")
+        return {"p": float(kwargs.get("p", args[1] if len(args) > 1 else 0.5))}
+
+    def torch_forward(self, attrs, xs, module):
+        return xs[0]  # the module runs in evaluation, as the lab compares a deterministic step
+
+    def forward(self, attrs, xs, params, kernels):
+        return xs[0]
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return [g if need[0] else None], {}
+
+    def forward_error(self, attrs, ins, y, params, ctx):
+        return Field(y, ins[0].error, ins[0].radius, ins[0].flips)
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        return [GradField(grad.error, grad.flips, grad.radius, grad.flip_count) if need[0] else None], {}
+
+
+for _op in (ReLU(), LeakyReLU(), Tanh(), Sigmoid(), GELU(), SiLU(), ELU(), Softplus(), Mish(), Dropout()):
     register(_op)

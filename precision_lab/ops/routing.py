@@ -15,7 +15,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import REQUIRED, BackwardReplaced, Field, GradField, Op, OpSpecError, PortSlip, Rule, as_pair, dropping_slips, gamma_over_lambda, gather_radius, register, spread
+from . import (REQUIRED, BackwardReplaced, Field, GradField, Op, OpSpecError, PortSlip, Rule, as_pair, dropping_slips,
+               gamma_over_lambda, gather_radius, register, spread)
+from .. import roundoff
 
 
 def _has(t) -> bool:
@@ -327,6 +329,7 @@ class UpsampleNearest(Op):
 class Add(Op):
     name = "add"
     combines = True
+    verb = "adds"  # in messages about its inputs' shapes
 
     torch_calls = (operator.add, torch.add)
 
@@ -345,12 +348,12 @@ class Add(Op):
     def out_shape(self, attrs, in_shapes):
         first, second = in_shapes
         if len(first) != len(second) or any(a is not None and b is not None and a != b for a, b in zip(first, second)):
-            raise OpSpecError(f"adds shapes that differ: the previous output is {_text(first)}, 'from' gives "
-                              f"{_text(second)}")
+            raise OpSpecError(f"{self.verb} shapes that differ: its first input is {_text(first)}, its second "
+                              f"{_text(second)} (no broadcasting)")
         return tuple(a if a is not None else b for a, b in zip(first, second))
 
     def axis_length(self, attrs, lengths, axis):
-        return _same_length(lengths, axis, "adds a {side} of {first} to a {side} of {second}")
+        return _same_length(lengths, axis, self.verb + " a {side} of {first} and a {side} of {second}")
 
     def forward(self, attrs, xs, params, kernels):
         return xs[0] + xs[1]
@@ -562,11 +565,88 @@ class ZeroPad2d(Op):
         return [GradField(self._crop(attrs, grad.error).contiguous(), flips, grad.radius, grad.flip_count)], {}
 
 
+class GlobalAvgPool2d(Op):
+    """The mean over each channel's whole image, (C, H, W) → (C, 1, 1): AdaptiveAvgPool2d(1), a mean over H and W.
+
+    Each output is a sum of n = H·W terms that only summation orders compute, then one division: its own part is
+    roundoff.order_free_bound (the partial-sum bound of any order plus the absorbed terms, as a bias gradient's)
+    up to layers.BIAS_ORDER_FREE_LIMIT terms, γ̃ₙ(λ)·S above, ÷ n, plus u·|y|; the input's errors average."""
+
+    name = "global_avg_pool2d"
+    torch_modules = (torch.nn.AdaptiveAvgPool2d,)
+    torch_calls = (F.adaptive_avg_pool2d,)
+
+    def from_torch_module(self, module):
+        return self._one(module.output_size)
+
+    def from_torch_call(self, target, args, kwargs):
+        return self._one(kwargs.get("output_size", args[1] if len(args) > 1 else None))
+
+    @staticmethod
+    def _one(size) -> dict:
+        if size not in (1, (1, 1), [1, 1]):
+            raise OpSpecError(f"adaptive average pooling to {size!r}: only to 1×1 (a global average) is supported")
+        return {}
+
+    def out_shape(self, attrs, in_shapes):
+        _image(in_shapes[0], self.name)
+        return (in_shapes[0][0], 1, 1)
+
+    def axis_length(self, attrs, lengths, axis):
+        return 1
+
+    def torch_forward(self, attrs, xs, module):
+        return F.adaptive_avg_pool2d(xs[0], 1)
+
+    def forward(self, attrs, xs, params, kernels):
+        return xs[0].mean(dim=(2, 3), keepdim=True)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        if not need[0]:
+            return [None], {}
+        h, w = xs[0].shape[2:]
+        return [(g / (h * w)).expand_as(xs[0]).contiguous()], {}
+
+    def forward_error(self, attrs, ins, y, params, ctx):
+        from .layers import BIAS_ORDER_FREE_LIMIT, _may_be_nonzero
+
+        a, error = ins[0].value, ins[0].error
+        n = a.shape[2] * a.shape[3]
+        terms = a.reshape(a.shape[0], a.shape[1], n)
+        if n <= BIAS_ORDER_FREE_LIMIT:
+            live = _may_be_nonzero(terms, None if error is None else error.reshape(terms.shape)).sum(dim=2)
+            own = roundoff.order_free_bound(terms, live, ctx.u, ctx.lam, (2,)).to(a.dtype)
+        else:
+            own = ctx.gamma(n) * terms.abs().sum(dim=2)
+        total = own.reshape(y.shape) / n + ctx.u * y.abs()
+        if error is not None:
+            total = total + error.mean(dim=(2, 3), keepdim=True)
+        return Field(y, total, None, ins[0].flips)
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        if not need[0]:
+            return [None], {}
+        x = ins[0].value
+        n = x.shape[2] * x.shape[3]
+        # one division per output gradient, broadcast to its image
+        error = ((ctx.u * g.abs() + grad.error) / n).expand_as(x).contiguous()
+        flips = (grad.flips / n).expand_as(x).contiguous() if _has(grad.flips) else None
+        return [GradField(error, flips, None, grad.flip_count)], {}
+
+    def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
+        n = xs[0].shape[2] * xs[0].shape[3]
+        return gamma_over_lambda(n + 1, u, lam) * xs[0].abs().mean(dim=(2, 3), keepdim=True)
+
+    def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u, lam):
+        n = xs[0].shape[2] * xs[0].shape[3]
+        return [(u * g.abs() / n).expand_as(xs[0]) if need[0] else None]
+
+
 def _text(shape) -> str:
     return "(" + ", ".join("?" if s is None else str(s) for s in shape) + ")"
 
 
-for _op in (MaxPool2d(), AvgPool2d(), UpsampleNearest(), Add(), Concat(), Flatten(), ZeroPad2d()):
+for _op in (MaxPool2d(), AvgPool2d(), UpsampleNearest(), Add(), Concat(), Flatten(), ZeroPad2d(), GlobalAvgPool2d()):
     register(_op)
 
 
