@@ -26,6 +26,8 @@ AROUND = {
                                                                           **{"in": 2})],
     "upsample_nearest": [CONV, {"op": "upsample_nearest", "scale": 2}],
     "add": [CONV, {"name": "r", "op": "relu"}, {"op": "add", "from": "c"}],
+    "sub": [CONV, {"name": "r", "op": "relu"}, {"op": "sub", "inputs": ["c", "r"]}],
+    "mul": [CONV, {"name": "r", "op": "sigmoid"}, {"op": "mul", "from": "c"}],
     "concat": [CONV, {"name": "r", "op": "relu"}, {"op": "concat", "from": "c"}],
     "flatten": [CONV, {"op": "max_pool2d", "kernel": 2}, {"op": "flatten"},
                 {"name": "fc", "op": "linear", "in": 2 * 3 * 3, "out": 2}],
