@@ -175,6 +175,9 @@ def _port_slips(family: str):
         network, problem = reference.network, reference.problem
         shapes = network.shapes(problem.height, problem.width)
 
+        def label_of(index: int) -> str:
+            return network.layers[index].label if index >= 0 else "the network's input"
+
         def in_shape(layer):
             return shapes[layer.inputs[0]] if layer.inputs[0] >= 0 else (network.input_channels, problem.height,
                                                                         problem.width)
@@ -198,8 +201,7 @@ def _port_slips(family: str):
         for layer, slip in slips:
             if slip.borrows:
                 continue
-            skip = None if layer.source is None else (network.layers[layer.source].label if layer.source >= 0
-                                                      else "the network's input")
+            skip = None if layer.source is None else label_of(layer.source)
             if slip.feature_order is not None:
                 if layer.index + 1 >= len(network.layers):
                     continue
@@ -212,7 +214,8 @@ def _port_slips(family: str):
                 yield f"{layer.label} {slip.text}", expected, list(expected), False, own
                 continue
             expected = recomputed({layer.index: slip.rule()}, slip)
-            yield f"{layer.label} {slip.text.format(skip=skip)}", expected, list(expected), False
+            yield f"{layer.label} {slip.text.format(skip=skip, first=label_of(layer.inputs[0]))}", expected, \
+                list(expected), False
             for borrowed in (b for b in OPS[layer.op].port_slips(layer.attrs, in_shape(layer)) if b.borrows
                              and b.family == family):
                 for other, other_slip in slips:

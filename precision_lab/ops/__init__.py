@@ -354,7 +354,7 @@ class PortSlip:
     hypothesis (docs/design.md, "Explaining a verdict")."""
 
     family: str  # which family of hypotheses: families are tested in doctors.hypotheses.HYPOTHESES's order
-    text: str  # what the port does, after the layer's label; "{skip}": the skip's source, "{other}": another layer
+    text: str  # what the port does, after its layer's label; "{first}", "{skip}": its inputs, "{other}": another layer
     rule: Callable  # () → a rule replacing the op for one recomputation; (other layer's input) → rule where `borrows`
     forward: bool = False  # the forward differs too: the output and the loss are expected otherwise as well
     every: tuple[str, ...] = ()  # group names: the same slip in several layers is also one hypothesis, "every …"

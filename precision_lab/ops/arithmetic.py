@@ -32,7 +32,7 @@ class Sub(Add):
     torch_calls = (operator.sub, torch.sub)
 
     def port_slips(self, attrs, in_shape):
-        return [PortSlip("routing", "subtracts the other way round ({skip} minus the previous layer)", SubSwapped,
+        return [PortSlip("routing", "subtracts the other way round ({skip} minus {first})", SubSwapped,
                          forward=True)] + dropping_slips(self)
 
     def torch_forward(self, attrs, xs, module):
