@@ -59,7 +59,22 @@ class MobileBlock(nn.Module):
         return self.project(h * gate)
 
 
-NETWORKS = {"dncnn": (DnCNN, "mse"), "resnet": (ProjectionResNet, "cross_entropy"), "mobile": (MobileBlock, "mse")}
+class SqueezeExcite(nn.Module):
+    """A squeeze-and-excitation block: each channel scaled by a gate computed from its global average."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.squeeze, self.excite = nn.Conv2d(2, 8, 3, padding=1), nn.Conv2d(8, 4, 1), nn.Conv2d(4, 8, 1)
+        self.head = nn.Conv2d(8, 1, 3, padding=1)
+
+    def forward(self, x):
+        h = F.relu(self.conv(x))
+        gate = torch.sigmoid(self.excite(F.relu(self.squeeze(F.adaptive_avg_pool2d(h, 1)))))
+        return self.head(h * gate)
+
+
+NETWORKS = {"dncnn": (DnCNN, "mse"), "resnet": (ProjectionResNet, "cross_entropy"), "mobile": (MobileBlock, "mse"),
+            "se": (SqueezeExcite, "mse")}
 
 
 def _network(name: str):
@@ -72,7 +87,8 @@ def _network(name: str):
     ("dncnn", ["conv2d", "relu", "conv2d", "elu", "conv2d", "sub"]),
     ("resnet", ["conv2d", "relu", "conv2d", "relu", "conv2d", "softplus", "conv2d", "add", "global_avg_pool2d",
                 "flatten", "dropout", "linear"]),
-    ("mobile", ["conv2d", "silu", "conv2d", "silu", "conv2d", "mish", "conv2d", "sigmoid", "mul", "conv2d"])])
+    ("mobile", ["conv2d", "silu", "conv2d", "silu", "conv2d", "mish", "conv2d", "sigmoid", "mul", "conv2d"]),
+    ("se", ["conv2d", "relu", "global_avg_pool2d", "conv2d", "relu", "conv2d", "sigmoid", "mul", "conv2d"])])
 def test_a_real_architecture_converts_and_walks_as_autograd(name, shape):
     network = _network(name)
     assert [layer.op for layer in network.layers] == shape

@@ -5,6 +5,11 @@ Both read their inputs as named by `from` or `inputs` (docs/models.md). sub roun
 too: |fl(â·b̂) − ab| ≤ (1 + u)(|b|E_a + |a|E_b + E_aE_b) + u|ab|, and so does each of its input gradients,
 which read the other input's stored value with its forward error: |ĝ·b̂ − g·b| ≤ (1 + u)(|b|E_g + |g|E_b +
 E_gE_b) + u|g·b| (Higham 2002, §2.2: one rounding per operation).
+
+mul also scales an image by a per-channel factor, (C, H, W) × (C, 1, 1) (a squeeze-and-excitation gate):
+the factor's gradient is then a sum over the H·W products g·a, which only summation orders compute — its
+own part is roundoff.order_free_bound of those terms (as a bias gradient's, up to
+layers.BIAS_ORDER_FREE_LIMIT terms; γ̃ₙ(λ)·S above), and the products' errors add.
 """
 from __future__ import annotations
 
@@ -12,8 +17,9 @@ import operator
 
 import torch
 
-from . import Field, GradField, PortSlip, Rule, dropping_slips, register
-from .routing import Add, _max_radius
+from . import Field, GradField, OpSpecError, PortSlip, Rule, dropping_slips, gamma_over_lambda, register
+from .. import roundoff
+from .routing import Add, _max_radius, _text
 
 
 class SubSwapped(Rule):
@@ -45,6 +51,15 @@ class Sub(Add):
         return [g if need[0] else None, -g if need[1] else None], {}
 
 
+def _per_channel(shape) -> bool:
+    return len(shape) == 3 and shape[1:] == (1, 1)
+
+
+def _summed_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`t` summed over the axes `like` is broadcast along (a per-channel factor's H and W)."""
+    return t.sum(dim=(2, 3), keepdim=True) if like.shape[2:] == (1, 1) and t.shape[2:] != (1, 1) else t
+
+
 class Mul(Add):
     name = "mul"
     verb = "multiplies"
@@ -54,11 +69,30 @@ class Mul(Add):
     def port_slips(self, attrs, in_shape):
         return dropping_slips(self)
 
+    def out_shape(self, attrs, in_shapes):
+        first, second = in_shapes
+        if _per_channel(first) != _per_channel(second) and len(first) == len(second) == 3 and first[0] == second[0]:
+            return first if _per_channel(second) else second  # an image times a per-channel factor
+        if len(first) == 3 and len(second) == 3 and first[0] != second[0]:
+            raise OpSpecError(f"multiplies {_text(first)} by {_text(second)}: the channels differ")
+        return super().out_shape(attrs, in_shapes)
+
+    def axis_length(self, attrs, lengths, axis):
+        first, second = lengths
+        if first == 1 or second == 1:
+            return second if first == 1 else first
+        return super().axis_length(attrs, lengths, axis)
+
     def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
         return u * y.abs()
 
     def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u, lam):
-        return [u * (g * xs[1]).abs() if need[0] else None, u * (g * xs[0]).abs() if need[1] else None]
+        scales = []
+        for keep, mine, other in zip(need, xs, reversed(xs)):
+            terms = (g * other).abs()
+            n = terms.shape[2] * terms.shape[3] if mine.shape[2:] == (1, 1) and terms.shape[2:] != (1, 1) else 1
+            scales.append(None if not keep else gamma_over_lambda(n, u, lam) * _summed_to(terms, mine))
+        return scales
 
     def torch_forward(self, attrs, xs, module):
         return xs[0] * xs[1]
@@ -67,7 +101,8 @@ class Mul(Add):
         return xs[0] * xs[1]
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
-        return [g * xs[1] if need[0] else None, g * xs[0] if need[1] else None], {}
+        return [_summed_to(g * xs[1], xs[0]) if need[0] else None,
+                _summed_to(g * xs[0], xs[1]) if need[1] else None], {}
 
     def forward_error(self, attrs, ins, y, params, ctx):
         (a, ea), (b, eb) = [(f.value.abs(), f.error) for f in ins]
@@ -78,20 +113,41 @@ class Mul(Add):
             carried = carried + a * eb
         if ea is not None and eb is not None:
             carried = carried + ea * eb
-        return Field(y, (1 + ctx.u) * carried + ctx.u * y.abs(), _max_radius([f.radius for f in ins]),
-                     sum(f.flips for f in ins))
+        # a per-channel factor's error reaches every pixel of its channel
+        broadcast = any(f.value.shape != y.shape and f.error is not None for f in ins)
+        radius = None if broadcast else _max_radius([f.radius for f in ins])
+        return Field(y, (1 + ctx.u) * carried + ctx.u * y.abs(), radius, sum(f.flips for f in ins))
 
     def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        from .layers import BIAS_ORDER_FREE_LIMIT, _may_be_nonzero
+
         grads = []
-        for keep, other in zip(need, reversed(ins)):
+        for keep, mine, other in zip(need, ins, reversed(ins)):
             if not keep:
                 grads.append(None)
                 continue
             value, stored = other.value.abs(), other.error
             carried = value * grad.error + (0.0 if stored is None else g.abs() * stored + grad.error * stored)
-            error = (1 + ctx.u) * carried + ctx.u * (g * other.value).abs()
             flips = None if grad.flips is None else grad.flips * (value + (0.0 if stored is None else stored))
-            grads.append(GradField(error, flips, _max_radius([grad.radius, other.radius]), grad.flip_count))
+            products = g * other.value
+            if mine.value.shape[2:] != (1, 1) or products.shape[2:] == (1, 1):
+                error = (1 + ctx.u) * carried + ctx.u * products.abs()
+                spread = other.value.shape != products.shape and other.error is not None  # a factor's error: every pixel
+                grads.append(GradField(error, flips, None if spread else _max_radius([grad.radius, other.radius]),
+                                       grad.flip_count))
+                continue
+            # a per-channel factor: Σ over H·W of the products (each rounded once), their errors summed
+            n = products.shape[2] * products.shape[3]
+            terms = products.reshape(*products.shape[:2], n)
+            if n <= BIAS_ORDER_FREE_LIMIT:
+                live = _may_be_nonzero(terms, torch.broadcast_to(carried, products.shape).reshape(terms.shape)).sum(dim=2)
+                own = roundoff.order_free_bound(terms, live, ctx.u, ctx.lam, (2,)).to(products.dtype)
+            else:
+                own = ctx.gamma(n) * terms.abs().sum(dim=2)
+            error = own.reshape(mine.value.shape) + _summed_to((1 + ctx.u) * carried + ctx.u * products.abs(),
+                                                               mine.value)
+            flips = None if flips is None else _summed_to(flips.expand_as(products), mine.value)
+            grads.append(GradField(error, flips, None, grad.flip_count))
         return grads, {}
 
 
