@@ -9,7 +9,9 @@
 4. `builtin`: an in-process diagnosis of the built-in `native` candidate, seconds beyond the
    candidate's own run (target on a GPU: ≤ 3 s at 1024²), and what the default probes add
    (target: ≤ 25% of the requested problem's diagnosis);
-5. `algorithms`: a table of the convolution algorithms: time and worst error ÷ bound at one size.
+5. `algorithms`: a table of the convolution algorithms: time and worst error ÷ bound at one size;
+6. `stages`: where an in-process diagnosis of `native` with its default probes spends its time, by stage
+   (cumulative seconds under cProfile, whose overhead inflates Python-level work: shares, not seconds, compare).
 
 Every part runs on `--device` (auto: the GPU when there is one) and on `--model` (the seed CNN by
 default); GPU timings synchronise before reading the clock.
@@ -52,7 +54,18 @@ BOUNDS_TARGET = 3.0
 BUILTIN_EXTRA_TARGET_S = 3.0
 #: target: the default probes within 25% of the requested problem's diagnosis
 PROBES_TARGET = 0.25
-PARTS = ("reference", "bounds", "diagnose", "builtin", "algorithms")
+PARTS = ("reference", "bounds", "diagnose", "builtin", "algorithms", "stages")
+#: the stages of a diagnosis, each the cumulative time of one function (its file's path ends so); indented rows are
+#: parts of the error bounds and may overlap (the sampled runs draw Winograd's scale too)
+STAGES = (("the candidate's runs (problem and probes)", "candidates/__init__.py", "compute"),
+          ("the float64 references", "reference.py", "reference"),
+          ("error bounds", "errmodel.py", "error_bounds"),
+          ("  sampled propagation", "sampled.py", "deviations"),
+          ("  Winograd's forward scale", "conv/winograd_bound.py", "winograd_scale"),
+          ("  Winograd's weight-gradient scale", "conv/winograd_bound.py", "winograd_weight_grad_scale"),
+          ("  convolution weight-gradient parts", "ops/layers.py", "_weight_grad_parts"),
+          ("the format fingerprint", "doctors/formats.py", "_fingerprint"),
+          ("the defect hypotheses", "doctors/defects.py", "defects"))
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -264,6 +277,29 @@ def diagnosis_cost(candidate: Path, size, batch: int, seed: int, repeats: int = 
             "diagnose_runs_s": diagnose_s, "candidate_runs_s": own_s}
 
 
+def diagnosis_stages(problem, device="cpu", name: str = "native") -> dict:
+    """Cumulative seconds of each of STAGES in one in-process diagnosis (default probes) under cProfile."""
+    import cProfile
+    import pstats
+
+    from .candidates import get_builtin
+    from .diagnosis import diagnose
+
+    candidate = get_builtin(name)
+    candidate.compute(problem, "float32", device)  # warm-up, as the other parts
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.runcall(diagnose, candidate, problem, str(device))
+    total = time.perf_counter() - start
+    stats = pstats.Stats(profile).stats  # (file, line, function) → (calls, primitive calls, own s, cumulative s, …)
+    rows = []
+    for label, path, function in STAGES:
+        seconds = sum(entry[3] for (file, _, func), entry in stats.items()
+                      if func == function and file.replace(os.sep, "/").endswith("precision_lab/" + path))
+        rows.append({"stage": label, "seconds": seconds, "share": seconds / total})
+    return {"candidate": name, "diagnose_s": total, "stages": rows}
+
+
 def algorithms_table(size: int, batch: int, seed: int, device="cpu"):
     """Time and worst error ÷ bound of every convolution algorithm at one size (experiment 05's sweep)."""
     import torch
@@ -337,6 +373,13 @@ def main(args: argparse.Namespace) -> int:
               f"of the requested problem's diagnosis ({_met(cost['probes_alone_share'], PROBES_TARGET)} the ≤ "
               f"{PROBES_TARGET:.0%} target); diagnosis with probes − without: "
               f"{cost['with_probes_s'] - cost['diagnose_s']:.3g} s = {cost['probes_share']:.0%} (noisier)")
+    if "stages" in parts:
+        cost = diagnosis_stages(problem, device)
+        figures["stages"] = cost
+        print(f"where a diagnosis of built-in native with its default probes spends {cost['diagnose_s']:.3g} s "
+              f"(under cProfile):")
+        for row in cost["stages"]:
+            print(f"  {row['stage']:<46} {row['seconds']:8.3g} s  {row['share']:6.1%}")
     if "algorithms" in parts:
         runs = algorithms_table(algorithms_size, batch, seed, device)
         figures["algorithms"] = runs.to_dict(orient="records")

@@ -139,3 +139,15 @@ def test_bench_memory_is_the_diagnosis_own_not_its_parents_high_water_mark():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
     single, tree = map(float, out.split())
     assert 0.1 < single <= tree < 1.3, out  # the parent's 1.4 GB is not the diagnosis's
+
+
+def test_bench_stages_name_functions_that_run_in_a_diagnosis():
+    """Each stage of `precision-lab bench --only stages` is a function a diagnosis of native really calls: a renamed
+    function would leave its row at zero."""
+    from precision_lab.bench import diagnosis_stages
+    from precision_lab.problem import make_problem
+
+    cost = diagnosis_stages(make_problem(16, 2, 0))
+    seconds = {row["stage"].strip(): row["seconds"] for row in cost["stages"]}
+    assert all(value > 0 for stage, value in seconds.items() if stage != "the defect hypotheses"), seconds
+    assert seconds["error bounds"] < cost["diagnose_s"] and seconds["sampled propagation"] < seconds["error bounds"]
