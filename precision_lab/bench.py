@@ -176,21 +176,21 @@ def _diagnosis_unavailable(candidate: Path) -> str | None:
 MEMORY_SAMPLE_S = 0.01
 
 
-def _own_peak_bytes(process) -> int:
-    """The process's own resident high-water mark (VmHWM, Linux: its address space is new at exec, so
-    nothing is inherited and no spike between samples is missed), else its current RSS."""
+def _own_peak_bytes(process) -> tuple[int, bool]:
+    """The process's own resident high-water mark and True (VmHWM, Linux: its address space is new at exec, so
+    nothing is inherited and no spike between samples is missed), else its current RSS and False."""
     with contextlib.suppress(OSError, ValueError):
         with open(f"/proc/{process.pid}/status") as status:
             for line in status:
                 if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    return process.memory_info().rss
+                    return int(line.split()[1]) * 1024, True
+    return process.memory_info().rss, False
 
 
 def _tree_rss_sampler(pid: int, peak: list[float], stop: threading.Event) -> None:
     """Largest sum of resident memory over `pid` and its descendants (peak[0]) and largest single process's
-    own high-water mark (peak[1]), sampled until `stop`: the candidate's program runs beside the lab's
-    reference, so their peaks may add up."""
+    own high-water mark (peak[1]; peak[2] true when the kernel's own mark was read), sampled until `stop`: the
+    candidate's program runs beside the lab's reference, so their peaks may add up."""
     try:
         root = psutil.Process(pid)
     except psutil.Error:
@@ -204,7 +204,8 @@ def _tree_rss_sampler(pid: int, peak: list[float], stop: threading.Event) -> Non
         for process in processes:
             with contextlib.suppress(psutil.Error, OSError):
                 total += process.memory_info().rss
-                peak[1] = max(peak[1], _own_peak_bytes(process))
+                own, exact = _own_peak_bytes(process)
+                peak[1], peak[2] = max(peak[1], own), peak[2] or exact
         peak[0] = max(peak[0], total)
         stop.wait(MEMORY_SAMPLE_S)
 
@@ -212,7 +213,7 @@ def _tree_rss_sampler(pid: int, peak: list[float], stop: threading.Event) -> Non
 def _one_diagnosis(command: list[str]) -> tuple[float, float, float, int, list[str]]:
     """Wall time, peak memory (GB: largest single process, and the process tree summed) and exit
     code of one `diagnose` child, and its stderr lines."""
-    peak, stop = [0.0, 0.0], threading.Event()
+    peak, stop = [0.0, 0.0, False], threading.Event()
     start = time.perf_counter()
     with tempfile.TemporaryFile() as stderr:
         child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
@@ -225,13 +226,16 @@ def _one_diagnosis(command: list[str]) -> tuple[float, float, float, int, list[s
         child.returncode = os.waitstatus_to_exitcode(status)
         stderr.seek(0)
         error_lines = stderr.read().decode(errors="replace").strip().splitlines()
-    # ru_maxrss (KiB on Linux) is the largest single process, but a child started by vfork (Python's subprocess)
-    # inherits its parent's high-water mark at exec: from a large parent (a test session) the samples are the
-    # child's own, and ru_maxrss counts only where it is no larger than the parent has ever been
+    # the kernel's own high-water mark of each process (VmHWM) is the answer where it was read; ru_maxrss (KiB on
+    # Linux) is the largest single process too, but a child started by vfork (Python's subprocess) inherits its
+    # parent's mark at exec, so without VmHWM it counts only where it is below the parent's mark, else the samples
     inherited = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     sampled_single = peak[1] / 2 ** 30
     reaped = usage.ru_maxrss / 2 ** 20
-    single_gb = reaped if reaped < inherited or not sampled_single else sampled_single
+    if peak[2]:
+        single_gb = sampled_single
+    else:
+        single_gb = reaped if reaped < inherited or not sampled_single else sampled_single
     return seconds, single_gb, max(single_gb, peak[0] / 2 ** 30), child.returncode, error_lines
 
 

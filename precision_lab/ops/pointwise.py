@@ -393,7 +393,7 @@ class GELU(Smooth):
 
 class SiLU(Smooth):
     name = "silu"
-    #: sup|silu''| = 1/2 at z = 0: silu'' = σ'(z)·(2 + z(1 − 2σ(z))), σ'(0) = 1/4 (tests/test_ops_new.py checks)
+    #: sup|silu''| = 1/2 at z = 0: silu'' = σ'(z)·(2 + z(1 − 2σ(z))), σ'(0) = 1/4 (tests/test_architectures.py checks)
     second_derivative_bound = 0.5
 
     torch_modules = (torch.nn.SiLU,)
@@ -472,7 +472,7 @@ class Softplus(Smooth):
 
 class Mish(Smooth):
     name = "mish"
-    #: sup|mish''| = 0.6442 at z ≈ −0.088 (a 10⁻⁴ grid over [−40, 40]; tests/test_ops_new.py checks), rounded up
+    #: sup|mish''| = 0.6442 at z ≈ −0.088 (a 10⁻⁴ grid over [−40, 40]; tests/test_architectures.py checks), rounded up
     second_derivative_bound = 0.65
 
     torch_modules = (torch.nn.Mish,)
