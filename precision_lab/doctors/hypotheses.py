@@ -216,8 +216,7 @@ def _port_slips(family: str):
             expected = recomputed({layer.index: slip.rule()}, slip)
             yield f"{layer.label} {slip.text.format(skip=skip, first=label_of(layer.inputs[0]))}", expected, \
                 list(expected), False
-            for borrowed in (b for b in OPS[layer.op].port_slips(layer.attrs, in_shape(layer)) if b.borrows
-                             and b.family == family):
+            for borrowed in (s for owner, s in slips if owner is layer and s.borrows):
                 for other, other_slip in slips:
                     if other is layer or other_slip.text != borrowed.text:
                         continue

@@ -18,7 +18,6 @@ import operator
 import torch
 
 from . import Field, GradField, OpSpecError, PortSlip, Rule, dropping_slips, gamma_over_lambda, register
-from .. import roundoff
 from .routing import Add, _max_radius, _text
 
 
@@ -66,9 +65,6 @@ class Mul(Add):
     torch_calls = (operator.mul, torch.mul)
     reads_error_backward = True
 
-    def port_slips(self, attrs, in_shape):
-        return dropping_slips(self)
-
     def out_shape(self, attrs, in_shapes):
         first, second = in_shapes
         if _per_channel(first) != _per_channel(second) and len(first) == len(second) == 3 and first[0] == second[0]:
@@ -82,9 +78,6 @@ class Mul(Add):
         if first == 1 or second == 1:
             return second if first == 1 else first
         return super().axis_length(attrs, lengths, axis)
-
-    def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
-        return u * y.abs()
 
     def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u, lam):
         scales = []
@@ -119,7 +112,7 @@ class Mul(Add):
         return Field(y, (1 + ctx.u) * carried + ctx.u * y.abs(), radius, sum(f.flips for f in ins))
 
     def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
-        from .layers import BIAS_ORDER_FREE_LIMIT, _may_be_nonzero
+        from .layers import image_sum_own
 
         grads = []
         for keep, mine, other in zip(need, ins, reversed(ins)):
@@ -137,13 +130,7 @@ class Mul(Add):
                                        grad.flip_count))
                 continue
             # a per-channel factor: Σ over H·W of the products (each rounded once), their errors summed
-            n = products.shape[2] * products.shape[3]
-            terms = products.reshape(*products.shape[:2], n)
-            if n <= BIAS_ORDER_FREE_LIMIT:
-                live = _may_be_nonzero(terms, torch.broadcast_to(carried, products.shape).reshape(terms.shape)).sum(dim=2)
-                own = roundoff.order_free_bound(terms, live, ctx.u, ctx.lam, (2,)).to(products.dtype)
-            else:
-                own = ctx.gamma(n) * terms.abs().sum(dim=2)
+            own = image_sum_own(products, carried, ctx)
             error = own.reshape(mine.value.shape) + _summed_to((1 + ctx.u) * carried + ctx.u * products.abs(),
                                                                mine.value)
             flips = None if flips is None else _summed_to(flips.expand_as(products), mine.value)

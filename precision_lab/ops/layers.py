@@ -457,6 +457,19 @@ def _conv_weight_drift(g, g_repeats, a, attrs, weight_shape, ctx: BoundContext):
     return drift
 
 
+def image_sum_own(values: torch.Tensor, errors, ctx: BoundContext) -> torch.Tensor:
+    """Own rounding of each channel's sum over its image (N, C, H, W) → (N, C), a sum only summation orders compute:
+    roundoff.order_free_bound up to BIAS_ORDER_FREE_LIMIT terms (`errors`: where the candidate's terms may be
+    nonzero besides the exact ones), γ̃ₙ(λ)·S above (a global pool, a per-channel factor's gradient)."""
+    n = values.shape[2] * values.shape[3]
+    terms = values.reshape(*values.shape[:2], n)
+    if n > BIAS_ORDER_FREE_LIMIT:
+        return ctx.gamma(n) * terms.abs().sum(dim=2)
+    live = _may_be_nonzero(terms, None if errors is None else torch.broadcast_to(errors, values.shape).reshape(
+        terms.shape)).sum(dim=2)
+    return roundoff.order_free_bound(terms, live, ctx.u, ctx.lam, (2,)).to(values.dtype)
+
+
 def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext, g_repeats=None) -> Parts:
     """Σ of the output gradient over batch (and pixels): S = Σ|g|, its errors as dependent mean-zero terms.
 

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from . import (REQUIRED, BackwardReplaced, Field, GradField, Op, OpSpecError, PortSlip, Rule, as_pair, dropping_slips,
                gamma_over_lambda, gather_radius, register, spread)
-from .. import roundoff
 
 
 def _has(t) -> bool:
@@ -608,17 +607,10 @@ class GlobalAvgPool2d(Op):
         return [(g / (h * w)).expand_as(xs[0]).contiguous()], {}
 
     def forward_error(self, attrs, ins, y, params, ctx):
-        from .layers import BIAS_ORDER_FREE_LIMIT, _may_be_nonzero
+        from .layers import image_sum_own
 
         a, error = ins[0].value, ins[0].error
-        n = a.shape[2] * a.shape[3]
-        terms = a.reshape(a.shape[0], a.shape[1], n)
-        if n <= BIAS_ORDER_FREE_LIMIT:
-            live = _may_be_nonzero(terms, None if error is None else error.reshape(terms.shape)).sum(dim=2)
-            own = roundoff.order_free_bound(terms, live, ctx.u, ctx.lam, (2,)).to(a.dtype)
-        else:
-            own = ctx.gamma(n) * terms.abs().sum(dim=2)
-        total = own.reshape(y.shape) / n + ctx.u * y.abs()
+        total = image_sum_own(a, error, ctx).reshape(y.shape) / (a.shape[2] * a.shape[3]) + ctx.u * y.abs()
         if error is not None:
             total = total + error.mean(dim=(2, 3), keepdim=True)
         return Field(y, total, None, ins[0].flips)
