@@ -174,3 +174,36 @@ def test_a_crop_off_by_one_where_the_padding_is_two_is_named_apart_from_the_one_
     judgement = judge(slipped, reference(problem))
     assert judgement.verdict == "defect"
     assert judgement.cause.startswith("up crops one row and column too many at the top and left"), judgement.to_text()
+
+
+def test_the_decoder_example_walks_as_autograd_and_its_pytorch_run_is_rounding():
+    from precision_lab.model import load_model
+    from precision_lab.paths import ROOT
+
+    network = load_model(ROOT / "examples" / "models" / "conv-transpose-decoder.json")
+    problem = make_problem(32, 2, 3, network=network)
+    walked, autograd = forward_backward(problem, "float64"), autograd_forward_backward(problem, "float64")
+    for parameter, expected in autograd.grads.items():
+        assert np.abs(walked.grads[parameter] - expected).max() <= 1e-12 * np.abs(expected).max(), parameter
+    judgement = judge(autograd_forward_backward(problem, "float32"), reference(problem))
+    assert judgement.verdict == "roundoff", judgement.to_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("yaml_name, code_, verdict_, cause", [
+    ("conv-transpose-decoder.yaml", 0, "roundoff", ""),
+    ("conv-transpose-unrotated-slip.yaml", 1, "defect",
+     "every transposed convolution computed as a correlation over the zero-inserted input without rotating")])
+def test_the_decoder_examples_as_command_candidates(capsys, tmp_path, yaml_name, code_, verdict_, cause):
+    import json
+
+    from precision_lab import cli
+    from precision_lab.paths import ROOT
+
+    out_json = tmp_path / "verdict.json"
+    code = cli.main(["diagnose", "--candidate", str(ROOT / "examples" / "models" / yaml_name), "--size", "24x32",
+                     "--batch", "2", "--probes", "none", "--json", str(out_json)])
+    capsys.readouterr()
+    verdict = json.loads(out_json.read_text())
+    assert code == code_ and verdict["verdict"] == verdict_, verdict["evidence"]
+    assert cause in (verdict["cause"] or ""), verdict["cause"]
