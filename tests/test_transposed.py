@@ -207,3 +207,33 @@ def test_the_decoder_examples_as_command_candidates(capsys, tmp_path, yaml_name,
     verdict = json.loads(out_json.read_text())
     assert code == code_ and verdict["verdict"] == verdict_, verdict["evidence"]
     assert cause in (verdict["cause"] or ""), verdict["cause"]
+
+
+def test_a_weight_gradient_written_with_its_channels_swapped_is_named_in_the_letters_it_is_declared_in():
+    network = _autoencoder()
+    problem = make_problem(24, 2, 0, network=network)
+    result = autograd_forward_backward(problem, "float32")
+    grad = result.grads["dec1.weight"]  # (in 16, out 8, 3, 3): OIHW of the convolution it transposes
+    result.grads["dec1.weight"] = np.ascontiguousarray(np.transpose(grad, (1, 0, 2, 3))).reshape(grad.shape)
+    judgement = judge(result, reference(problem))
+    assert judgement.verdict == "layout" and judgement.layout_fix == "layout IOHW", judgement.to_text()
+    assert "g.transpose(1, 0, 2, 3)" in judgement.layout_advice
+    assert "for a conv_transpose2d weight, O is its input channels" in judgement.layout_advice
+
+
+def test_a_weight_gradient_with_x_and_g_in_a_convolutions_roles_is_the_kernel_flip_the_layout_doctor_names():
+    # a convolution's weight gradient of x against g, transposed to (in, out): where its shapes fit (stride 1,
+    # 2p = d·(k − 1)) it is the right gradient rotated by 180°, so no hypothesis of its own: "flip HW" names it
+    spec = {"input_channels": 2, "layers": [
+        {"name": "down", "op": "conv2d", "in": 2, "out": 4, "kernel": 3, "stride": 2, "padding": 1}, {"op": "relu"},
+        {"name": "up", "op": "conv_transpose2d", "in": 4, "out": 2, "kernel": 3, "padding": 1}], "loss": "mse"}
+    network = parse_spec(spec, "up")
+    problem = make_problem(16, 2, 0, network=network)
+    result = autograd_forward_backward(problem, "float32")
+    ref = reference(problem)
+    x, g = ref.value(1).float(), ref.grad_at(2).float()
+    swapped = torch.nn.grad.conv2d_weight(x, (2, 4, 3, 3), g, 1, 1).transpose(0, 1).contiguous().numpy()
+    assert np.abs(swapped - result.grads["up.weight"][:, :, ::-1, ::-1]).max() <= 1e-5 * np.abs(swapped).max()
+    result.grads["up.weight"] = swapped
+    judgement = judge(result, ref)
+    assert judgement.verdict == "layout" and judgement.layout_fix == "flip HW", judgement.to_text()

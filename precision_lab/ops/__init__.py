@@ -148,6 +148,7 @@ class Op:
     windowed = False  # its weight gradient sums windows of its input: shifted or clipped windows are its slips
     flattens = False  # turns an image into features: the image size is then fixed by the reader's fan-in
     reads_error_backward = False  # backward_error reads its input's forward error (parametrised and smooth ops)
+    weight_letters = None  # what O and I of a weight layout mean for its weight, where not a convolution's out and in
 
     def expand(self, raw: dict) -> list[dict]:
         """The spec layers one written layer stands for (a convolution's "same" padding: a pad, then the conv)."""

@@ -45,6 +45,8 @@ class ConvTranspose2d(Op):
             "dilation": 1, "groups": 1, "bias": True}
     parametrised = True
     reads_error_backward = True
+    weight_letters = ("for a conv_transpose2d weight, O is its input channels and I its output channels, as in the "
+                      "convolution it transposes: PyTorch's (in, out/groups, kH, kW) is OIHW")
     # not `windowed`: the window slips of the defect doctor recompute a convolution's weight gradient, not ours
 
     torch_modules = (torch.nn.ConvTranspose2d,)
