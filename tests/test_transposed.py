@@ -265,3 +265,26 @@ def test_the_bound_counts_only_the_taps_that_land_and_stays_near_the_error():
     weight = np.max(np.abs(got.grads["up.weight"] - ref.grads["up.weight"]) / bounds["up.weight"].bound)
     assert 0.03 < output <= 1  # measured 0.113 (0.105 – 0.131 at seeds 0 – 3)
     assert 0.01 < weight <= 1  # measured 0.040 (0.030 – 0.040)
+
+
+def test_operand_rounding_applies_to_each_pass_under_the_transposed_convolutions_own_names():
+    from precision_lab.formats import round_to
+
+    attrs = OP.normalise({"in": 4, "out": 2, "kernel": 3, "stride": 2, "padding": 1, "output_padding": 1})
+    torch.manual_seed(2)
+    x, w = torch.randn(2, 4, 6, 6), torch.randn(4, 2, 3, 3)
+    g = torch.randn(2, 2, 12, 12)
+    bf16 = lambda t: round_to(t, "bfloat16")  # noqa: E731
+    plain = Kernels()
+    for passes in (("forward",), ("input_grad",), ("weight_grad",)):
+        kernels = Kernels(round_operands=bf16, rounded_passes=passes)
+        y = OP.forward(attrs, [x], {"weight": w}, kernels)
+        (h,), grads = OP.backward(attrs, g, [x], y, {"weight": w}, kernels, [True])
+        rounded_x, rounded_w, rounded_g = bf16(x), bf16(w), bf16(g)
+        expected = {"forward": (OP.forward(attrs, [rounded_x], {"weight": rounded_w}, plain), y),
+                    "input_grad": (F.conv2d(rounded_g, rounded_w, None, 2, 1), h),
+                    "weight_grad": (OP.backward(attrs, rounded_g, [rounded_x], None, {"weight": w}, plain,
+                                                [False])[1]["weight"], grads["weight"])}
+        for name, (want, got) in expected.items():
+            exact = name in passes
+            assert (float((want - got).abs().max()) == 0.0) == exact, (passes, name)
