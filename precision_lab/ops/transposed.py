@@ -199,7 +199,7 @@ class ConvTranspose2d(Op):
             chi = roundoff.dependency_count(grad.radius, g.shape[2] * g.shape[3])
             parts["bias"] = _bias_parts(g, g_abs, grad, (0, 2, 3), chi, ctx)
         # the weight gradient is conv2d's with the roles swapped: g as its input, x as its output gradient; their
-        # errors are read, never overwritten (owned/consumable False)
+        # errors are read, never overwritten (owned/consumable False); g's flips are added whole below
         as_input = Field(g, grad.error, grad.radius, grad.flip_count)
         x_error = x.error if x.error is not None else torch.zeros_like(x.value)
         as_gradient = GradField(x_error, None, x.radius, x.flips, owned=False)
