@@ -19,6 +19,8 @@ CONV = {"name": "c", "op": "conv2d", "in": 1, "out": 2, "kernel": 3, "padding": 
 #: a small network around each op: the op where it can act, with what it needs before and after
 AROUND = {
     "conv2d": [dict(CONV, stride=2)],
+    "conv_transpose2d": [dict(CONV, stride=2), {"name": "t", "op": "conv_transpose2d", "in": 2, "out": 1, "kernel": 3,
+                                                "stride": 2, "padding": 1, "output_padding": 1}],
     "linear": [CONV, {"op": "flatten"}, {"name": "fc", "op": "linear", "in": 2 * 6 * 6, "out": 3}],
     "max_pool2d": [CONV, {"op": "max_pool2d", "kernel": 2}],
     "avg_pool2d": [CONV, {"op": "avg_pool2d", "kernel": 3, "stride": 2, "padding": 1, "count_include_pad": False}],

@@ -16,6 +16,7 @@ the output and, with --intermediates, every named layer's output and output grad
   skip        an `add` skip connection passes no gradient to the layer it came from
   sum-ce      cross-entropy summed over samples instead of averaged
   tf32        every convolution and linear operand rounded to TF32 (10 mantissa bits), still claimed float32
+  unrotated   every transposed convolution correlates with its kernel as stored, not rotated by 180°
 """
 import argparse
 import json
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-SLIPS = ("flip", "ohwi", "mask", "upsample", "skip", "sum-ce", "tf32")
+SLIPS = ("flip", "ohwi", "mask", "upsample", "skip", "sum-ce", "tf32", "unrotated")
 
 
 def expand(spec):
@@ -102,6 +103,11 @@ def run(layers, loss_name, x, target, params, slip, keep):
             w, b = params[f"{a['name']}.weight"], params.get(f"{a['name']}.bias")
             y = F.conv2d(rnd(h), rnd(w), b, pair(a.get("stride"), 1), pair(a.get("padding"), 0),
                          pair(a.get("dilation"), 1), a.get("groups", 1))
+        elif op == "conv_transpose2d":
+            w, b = params[f"{a['name']}.weight"], params.get(f"{a['name']}.bias")
+            w = w.flip(-2, -1) if slip == "unrotated" else w
+            y = F.conv_transpose2d(rnd(h), rnd(w), b, pair(a.get("stride"), 1), pair(a.get("padding"), 0),
+                                   pair(a.get("output_padding"), 0), a.get("groups", 1), pair(a.get("dilation"), 1))
         elif op == "linear":
             y = F.linear(rnd(h), rnd(params[f"{a['name']}.weight"]), params.get(f"{a['name']}.bias"))
         elif op == "relu":

@@ -10,6 +10,7 @@ import numpy as np
 from ..compute import GradBuffer, Result, Trace
 from ..findings import Finding
 from ..layout import canonical_for, from_layout, layout_for, shape_in_layout, to_layout
+from ..ops import OPS
 
 
 def transforms(ndim: int) -> list[tuple[str, tuple[str, ...]]]:
@@ -112,8 +113,11 @@ def layouts(quantities, result: Result, reference: Trace, pairs, bounds) -> list
         name = min((n for n in found if common[0] in found[n][1]), key=lambda n: len(found[n][1]))
         buffer, _, ndim = found[name]
         applies = [n for n in found if common[0] in found[n][1]]  # every buffer the fix applies to, in network order
-        findings.append(Finding("layout-advice", name=layout_advice(applies[0], buffer, common[0][0], common[0][1],
-                                                                      ndim, tuple(applies[1:]))))
+        advice = layout_advice(applies[0], buffer, common[0][0], common[0][1], ndim, tuple(applies[1:]))
+        # an op whose weight's letters mean other channels says which (a transposed convolution's O is its input)
+        notes = dict.fromkeys(OPS[layer.op].weight_letters for layer in reference.network.parametrised_layers
+                              if f"{layer.name}.weight" in applies and OPS[layer.op].weight_letters)
+        findings.append(Finding("layout-advice", name=advice + "".join(f" ({note})" for note in notes)))
     return findings
 
 

@@ -148,6 +148,7 @@ class Op:
     windowed = False  # its weight gradient sums windows of its input: shifted or clipped windows are its slips
     flattens = False  # turns an image into features: the image size is then fixed by the reader's fan-in
     reads_error_backward = False  # backward_error reads its input's forward error (parametrised and smooth ops)
+    weight_letters = None  # what O and I of a weight layout mean for its weight, where not a convolution's out and in
 
     def expand(self, raw: dict) -> list[dict]:
         """The spec layers one written layer stands for (a convolution's "same" padding: a pad, then the conv)."""
@@ -309,16 +310,18 @@ class Kernels:
             return self.conv, True
         return (self.conv, False) if is_seed_conv(attrs) else (None, False)
 
-    def conv_forward(self, x, w, attrs):
-        x, w = self.rnd(x, "forward"), self.rnd(w, "forward")
+    def conv_forward(self, x, w, attrs, pass_name: str = "forward"):
+        """`pass_name`: the pass whose operand rounding applies (a transposed convolution's input gradient is a
+        convolution's forward)."""
+        x, w = self.rnd(x, pass_name), self.rnd(w, pass_name)
         algorithm, general = self._algorithm(attrs)
         if algorithm is not None:
             return algorithm.forward(x, w, attrs) if general else algorithm.forward(x, w)
         return torch.nn.functional.conv2d(x, w, None, attrs["stride"], attrs["padding"], attrs["dilation"],
                                           attrs["groups"])
 
-    def conv_input_grad(self, g, w, attrs, input_shape):
-        g, w = self.rnd(g, "input_grad"), self.rnd(w, "input_grad")
+    def conv_input_grad(self, g, w, attrs, input_shape, pass_name: str = "input_grad"):
+        g, w = self.rnd(g, pass_name), self.rnd(w, pass_name)
         algorithm, general = self._algorithm(attrs)
         if algorithm is not None:
             return algorithm.input_grad(g, w, attrs, input_shape) if general else algorithm.input_grad(g, w)
@@ -480,6 +483,7 @@ def n_spatial(shape) -> int:
 
 
 from . import layers, losses, pointwise, routing  # noqa: E402,F401 - each registers its ops
+from . import transposed  # noqa: E402,F401 - registered after layers: its rules are a convolution's, roles swapped
 from . import arithmetic  # noqa: E402,F401 - registered after routing: its ops build on add
 
 __all__ = ["BackwardReplaced", "BoundContext", "Field", "GradField", "Kernels", "LOSSES", "OPS", "Op", "OpSpecError",
