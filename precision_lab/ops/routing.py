@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from . import (REQUIRED, BackwardReplaced, Field, GradField, Op, OpSpecError, PortSlip, Rule, as_pair, dropping_slips,
                gamma_over_lambda, gather_radius, register, spread)
+from .onnx_reading import (OnnxRead, attr, flattens_each_sample, nearest_scale, pool_window, require, unary,
+                           zero_pads)
 
 
 def _has(t) -> bool:
@@ -75,6 +77,9 @@ class Pool(Op):
         kernel = kwargs.get("kernel_size", args[1] if len(args) > 1 else None)
         stride = kwargs.get("stride", args[2] if len(args) > 2 else None)
         return {"kernel": _listed(kernel)} | ({"stride": _listed(stride)} if stride is not None else {})
+
+    def from_onnx_node(self, node, graph):
+        return unary(node, graph, pool_window(node))
 
     def check(self, attrs):
         attrs["kernel"] = as_pair(attrs["kernel"], "kernel", 1)
@@ -136,6 +141,7 @@ class MaxPool2d(Pool):
 
     torch_modules = (torch.nn.MaxPool2d,)
     torch_calls = (F.max_pool2d,)
+    onnx_ops = ("MaxPool",)
 
     def torch_forward(self, attrs, xs, module):
         return F.max_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"])
@@ -188,6 +194,13 @@ class AvgPool2d(Pool):
 
     torch_modules = (torch.nn.AvgPool2d,)
     torch_calls = (F.avg_pool2d,)
+    onnx_ops = ("AveragePool",)
+
+    def from_onnx_node(self, node, graph):
+        attrs = pool_window(node)
+        if any(attrs["padding"]):  # ONNX's default excludes the padding (0), PyTorch's includes it
+            attrs["count_include_pad"] = bool(int(attr(node, "count_include_pad", 0)))
+        return unary(node, graph, attrs)
 
     def from_torch_module(self, module):
         attrs = super().from_torch_module(module)
@@ -249,6 +262,10 @@ class UpsampleNearest(Op):
 
     torch_modules = (torch.nn.Upsample,)
     torch_calls = (F.interpolate,)
+    onnx_ops = ("Resize", "Upsample")
+
+    def from_onnx_node(self, node, graph):
+        return OnnxRead({"scale": nearest_scale(node, graph)}, graph.data_inputs(node)[:1], node.outputs[0])
 
     def call_inputs(self, tensors, args):
         return tensors[:1]
@@ -331,6 +348,13 @@ class Add(Op):
     verb = "adds"  # in messages about its inputs' shapes
 
     torch_calls = (operator.add, torch.add)
+    onnx_ops = ("Add",)
+
+    def from_onnx_node(self, node, graph):
+        data = graph.data_inputs(node)
+        require(len(data) == len(node.inputs) == 2, f"{node.op_type} with a constant: the spec's {self.name} "
+                f"combines two computed tensors (a bias belongs to the convolution or dense layer before it)")
+        return OnnxRead({}, data, node.outputs[0])
 
     def call_inputs(self, tensors, args):
         return tensors
@@ -377,6 +401,14 @@ class Concat(Op):
     combines = True
 
     torch_calls = (torch.cat,)
+    onnx_ops = ("Concat",)
+
+    def from_onnx_node(self, node, graph):
+        data = graph.data_inputs(node)
+        require(int(attr(node, "axis", 1)) in (1, -3), f"axis {attr(node, 'axis')}: only channels (axis 1) are joined")
+        require(len(data) == len(node.inputs) == 2, f"{len(node.inputs)} inputs: the spec's concat joins two "
+                f"computed tensors")
+        return OnnxRead({}, data, node.outputs[0])
 
     def from_torch_call(self, target, args, kwargs):
         dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
@@ -438,6 +470,11 @@ class Flatten(Op):
 
     torch_modules = (torch.nn.Flatten,)
     torch_calls = (torch.flatten, "flatten")
+    onnx_ops = ("Flatten", "Reshape")
+
+    def from_onnx_node(self, node, graph):
+        flattens_each_sample(node, graph)
+        return OnnxRead({}, graph.data_inputs(node), node.outputs[0])
 
     def call_inputs(self, tensors, args):
         return tensors[:1]
@@ -504,6 +541,10 @@ class ZeroPad2d(Op):
     keys = {"padding": REQUIRED, "multiple": 1}
 
     torch_modules = (torch.nn.ZeroPad2d,)
+    onnx_ops = ("Pad",)
+
+    def from_onnx_node(self, node, graph):
+        return OnnxRead({"padding": zero_pads(node, graph)}, graph.data_inputs(node)[:1], node.outputs[0])
 
     def from_torch_module(self, module):
         left, right, top, bottom = module.padding
@@ -574,6 +615,16 @@ class GlobalAvgPool2d(Op):
     name = "global_avg_pool2d"
     torch_modules = (torch.nn.AdaptiveAvgPool2d,)
     torch_calls = (F.adaptive_avg_pool2d,)
+    onnx_ops = ("GlobalAveragePool", "ReduceMean")
+
+    def from_onnx_node(self, node, graph):
+        """GlobalAveragePool, or ReduceMean over height and width keeping them (a Keras GlobalAveragePooling2D)."""
+        if node.op_type == "ReduceMean":
+            axes = graph.constant(node.inputs[1]) if len(node.inputs) > 1 else attr(node, "axes")
+            require(axes is not None and sorted(int(a) % 4 for a in np.asarray(axes).reshape(-1)) == [2, 3]
+                    and int(attr(node, "keepdims", 1)) == 1, "ReduceMean other than over height and width with "
+                    "keepdims=1")
+        return unary(node, graph)
 
     def from_torch_module(self, module):
         return self._one(module.output_size)
