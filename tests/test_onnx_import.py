@@ -4,6 +4,7 @@ evaluator; PyTorch's exports of real architectures read into the spec from_modul
 PyTorch's float32 run of them judged roundoff; what the lab cannot read is named in one line."""
 import io
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -209,8 +210,10 @@ def _exported(name: str, tmp_path, opset: int):
     channels = 1 if name == "dncnn" else 2
     path = tmp_path / f"{name}-{opset}.onnx"
     buffer = io.BytesIO()
-    torch.onnx.export(module, torch.randn(1, channels, 16, 16), buffer, dynamo=False, opset_version=opset,
-                      input_names=["x"], dynamic_axes={"x": {0: "N", 2: "H", 3: "W"}})
+    with warnings.catch_warnings():  # the TorchScript exporter's deprecation notice: it needs no onnxscript
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(module, torch.randn(1, channels, 16, 16), buffer, dynamo=False, opset_version=opset,
+                          input_names=["x"], dynamic_axes={"x": {0: "N", 2: "H", 3: "W"}})
     path.write_bytes(buffer.getvalue())
     return module, path, loss, channels
 
@@ -252,3 +255,15 @@ def test_an_imported_network_walks_as_autograd_and_pytorchs_float32_run_is_round
         assert np.abs(walked.grads[parameter] - expected).max() <= 1e-11 * np.abs(expected).max(), parameter
     judgement = judge(autograd_forward_backward(problem, "float32"), reference(problem))
     assert judgement.verdict == "roundoff", judgement.to_text()
+
+
+def test_a_slip_in_a_port_of_an_imported_network_is_a_defect_with_its_cause(tmp_path):
+    from precision_lab.ops.arithmetic import SubSwapped
+
+    _, path, loss, _ = _exported("dncnn", tmp_path, 17)
+    network = load_model({"onnx": str(path), "loss": loss})
+    problem = make_problem(24, 2, 0, network=network)
+    swapped = forward_backward(problem, "float32", rules={len(network.layers) - 1: SubSwapped()})
+    judgement = judge(swapped, reference(problem))
+    assert judgement.verdict == "defect"
+    assert judgement.cause is not None and "subtracts the other way round" in judgement.cause, judgement.to_text()
