@@ -267,3 +267,16 @@ def test_a_slip_in_a_port_of_an_imported_network_is_a_defect_with_its_cause(tmp_
     judgement = judge(swapped, reference(problem))
     assert judgement.verdict == "defect"
     assert judgement.cause is not None and "subtracts the other way round" in judgement.cause, judgement.to_text()
+
+
+def test_a_same_padded_branch_pads_what_it_reads_not_the_layer_before_it(tmp_path):
+    stem, w_stem = _conv("stem", "x", "s", (4, 2, 3, 3), pads=[1, 1, 1, 1])
+    main, w_main = _conv("main", "r", "m", (4, 4, 3, 3), auto_pad="SAME_UPPER", strides=[2, 2])
+    proj, w_proj = _conv("proj", "r", "p", (4, 4, 3, 3), auto_pad="SAME_UPPER", strides=[2, 2])  # reads r, not m
+    nodes = [stem, helper.make_node("Relu", ["s"], ["r"]), main, proj, helper.make_node("Add", ["m", "p"], ["y"])]
+    path = _save(tmp_path / "branch.onnx", nodes, {**w_stem, **w_main, **w_proj})
+    network, params = read_onnx(path)
+    ops = [(layer.op, tuple(network.layers[i].op for i in layer.inputs)) for layer in network.layers]
+    assert ops[2:] == [("zero_pad2d", ("relu",)), ("conv2d", ("zero_pad2d",)), ("zero_pad2d", ("relu",)),
+                       ("conv2d", ("zero_pad2d",)), ("add", ("conv2d", "conv2d"))]
+    _agrees_with_onnx(path, network, params)
