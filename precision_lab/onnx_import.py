@@ -83,6 +83,9 @@ def _node(proto, index: int) -> OnnxNode:
                     attrs)
 
 
+#: a module path as PyTorch's state_dict writes it ('head', 'features.0'): kept as the layer's name
+_STATE_DICT_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
+
 #: the value attributes of an ONNX Constant node (one of them is set)
 _CONSTANT_VALUES = ("value", "value_float", "value_floats", "value_int", "value_ints")
 
@@ -216,11 +219,13 @@ class _Importer:
         return shapes[0]
 
     def _name(self, node: OnnxNode, read: OnnxRead) -> str:
-        source = read.param_sources.get("weight", "")
-        if source.endswith(".weight") and source[:-len(".weight")] not in self.names:
-            name = source[:-len(".weight")]
+        prefix = read.param_sources.get("weight", "").removesuffix(".weight")
+        if (read.param_sources.get("weight", "").endswith(".weight") and _STATE_DICT_NAME.fullmatch(prefix)
+                and prefix not in self.names and prefix != NETWORK_INPUT):
+            name = prefix
         else:
-            name = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9_.]+", "_", node.name)).strip("._") or node.op_type.lower()
+            name = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9_.]+", "_", node.name)).strip("._")
+            name = name or node.op_type.lower()
             if name == NETWORK_INPUT:
                 name += "_layer"
             base, count = name, 1

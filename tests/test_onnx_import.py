@@ -86,7 +86,8 @@ def test_a_classifier_reads_gemm_with_and_without_transb_and_matmul_plus_bias(tm
     nodes = [conv, helper.make_node("Relu", ["c"], ["r"]),
              helper.make_node("AveragePool", ["r"], ["p"], kernel_shape=[4, 4], strides=[4, 4]),
              helper.make_node("Flatten", ["p"], ["f"], axis=1),
-             helper.make_node("Gemm", ["f", "fc1.weight", "fc1.bias"], ["h"], transB=1, name="fc1"),  # PyTorch: (out, in)
+             # PyTorch's Linear: B is (out, in), transB = 1
+             helper.make_node("Gemm", ["f", "fc1.weight", "fc1.bias"], ["h"], transB=1, name="fc1"),
              helper.make_node("Tanh", ["h"], ["t"]),
              helper.make_node("Gemm", ["t", "dense/kernel", "dense/bias"], ["g"], name="dense"),  # TF: (in, out)
              helper.make_node("Sigmoid", ["g"], ["s"]),
@@ -148,7 +149,8 @@ def test_a_residual_subtracted_from_the_input_reads_padded_and_gated(tmp_path):
                                                   "pads": np.array([0, 0, 1, 2, 0, 0, 1, 0], np.int64)}, channels=1)
     network, params = read_onnx(path)
     assert [layer.op for layer in network.layers] == ["zero_pad2d", "conv2d", "silu", "conv2d", "sub"]
-    assert network.layers[0].attrs["padding"] == (1, 1, 2, 0)  # ONNX's [begins…, ends…] as [top, bottom, left, right]
+    # ONNX's [begins…, ends…] read as [top, bottom, left, right]
+    assert network.layers[0].attrs["padding"] == (1, 1, 2, 0)
     assert network.layers[-1].inputs == (-1, 3)  # the network input minus the tail (Identity is no layer)
     _agrees_with_onnx(path, network, params, 16, 14)
 
@@ -280,3 +282,25 @@ def test_a_same_padded_branch_pads_what_it_reads_not_the_layer_before_it(tmp_pat
     assert ops[2:] == [("zero_pad2d", ("relu",)), ("conv2d", ("zero_pad2d",)), ("zero_pad2d", ("relu",)),
                        ("conv2d", ("zero_pad2d",)), ("add", ("conv2d", "conv2d"))]
     _agrees_with_onnx(path, network, params)
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+def test_a_keras_style_head_reads_reduce_mean_reshape_and_an_old_upsample(tmp_path, opset):
+    conv, weights = _conv("conv", "u", "c", (4, 2, 3, 3), pads=[1, 1, 1, 1])
+    axes = {"axes": [2, 3]} if opset < 18 else {}  # an attribute before opset 18, an input since
+    nodes = [helper.make_node("Resize", ["x", "", "scales"], ["u"], mode="nearest", coordinate_transformation_mode=
+                              "asymmetric", nearest_mode="floor"), conv, helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("ReduceMean", ["r"] + (["axes"] if opset >= 18 else []), ["m"], keepdims=1, **axes),
+             helper.make_node("Reshape", ["m", "shape"], ["f"]),
+             helper.make_node("Dropout", ["f", "ratio"], ["d"]),
+             helper.make_node("MatMul", ["d", "dense/kernel"], ["g"]), helper.make_node("Add", ["dense/bias", "g"], ["y"])]
+    inits = {**weights, "scales": np.array([1, 1, 3, 3], np.float32), "shape": np.array([-1, 4], np.int64),
+             "ratio": np.array(0.25, np.float64), "dense/kernel": _weights(4, 5), "dense/bias": _weights(5),
+             **({"axes": np.array([2, 3], np.int64)} if opset >= 18 else {})}
+    path = _save(tmp_path / "head.onnx", nodes, inits, opset=opset)
+    network, params = read_onnx(path, loss="cross_entropy")
+    assert [layer.op for layer in network.layers] == ["upsample_nearest", "conv2d", "relu", "global_avg_pool2d",
+                                                      "flatten", "dropout", "linear"]
+    assert network.layers[0].attrs["scale"] == (3, 3) and network.layers[5].attrs["p"] == 0.25
+    assert network.param_shapes["MatMul_6.weight"] == (5, 4) and network.fits(20, 28)  # any size: a global average
+    _agrees_with_onnx(path, network, params, 8, 12)
