@@ -106,44 +106,55 @@ class _Importer:
                 self.constants[node.outputs[0]] = np.asarray(value)
             else:
                 self.nodes.append(node)
-        self.input, self.input_channels = self._input(graph)
+        consumers: dict[str, list[OnnxNode]] = {}
+        for node in self.nodes:
+            for tensor in dict.fromkeys(node.inputs):
+                consumers.setdefault(tensor, []).append(node)
+        self.input, self.input_shape, self.nhwc = self._input(graph, consumers)
+        self.input_channels = self.input_shape[0]
         outputs = [o.name for o in graph.output]
         if len(outputs) != 1:
             raise ModelSpecError(f"{where}: {len(outputs)} graph outputs ({', '.join(outputs)}); the lab's networks "
                                  f"have one: export the network without its other outputs")
         self.output = outputs[0]
-        consumers: dict[str, list[OnnxNode]] = {}
-        for node in self.nodes:
-            for tensor in dict.fromkeys(node.inputs):
-                consumers.setdefault(tensor, []).append(node)
-        self.shapes = {self.input: (self.input_channels, None, None)}
-        self.graph = OnnxGraph(self.constants, self.shapes, consumers)
+        self.shapes = {self.input: self.input_shape}
+        self.orders: dict[str, np.ndarray] = {}  # tensors of features in another order than the spec's flatten
+        self.graph = OnnxGraph(self.constants, self.shapes, consumers, self.orders)
         self.producer = {self.input: NETWORK_INPUT}  # tensor → the layer name that computes it
+        if self.nhwc is not None:  # the exporter's NHWC → NCHW transpose of the input: the lab's input is NCHW
+            self.producer[self.nhwc.outputs[0]], self.shapes[self.nhwc.outputs[0]] = NETWORK_INPUT, self.input_shape
         self.layers, self.params, self.names = [], {}, set()
 
     def fail(self, node: OnnxNode, text: str):
         raise ModelSpecError(f"{self.where}: node '{node.name}' ({node.op_type}): {text}")
 
-    def _input(self, graph) -> tuple[str, int]:
+    def _input(self, graph, consumers) -> tuple[str, tuple, OnnxNode | None]:
+        """(name, per-sample shape (C, H, W) with H, W None unless fixed, the NHWC → NCHW Transpose that is its only
+        reader when the graph takes NHWC, as tf2onnx writes a Keras model)."""
         inputs = [i for i in graph.input if i.name not in self.constants]
         if len(inputs) != 1:
             raise ModelSpecError(f"{self.where}: {len(inputs)} graph inputs ({', '.join(i.name for i in inputs)}); "
                                  f"the lab's networks read one image batch (N, C, H, W)")
-        dims = inputs[0].type.tensor_type.shape.dim
-        channels = dims[1].dim_value if len(dims) == 4 else 0
-        if channels < 1:
-            raise ModelSpecError(f"{self.where}: input '{inputs[0].name}' is not (N, C, H, W) with a fixed channel "
-                                 f"count C (its dims: {[d.dim_value or d.dim_param or '?' for d in dims]}); export "
-                                 f"with NCHW input (tf2onnx: --inputs-as-nchw)")
-        return inputs[0].name, channels
+        name, dims = inputs[0].name, [d.dim_value or None for d in inputs[0].type.tensor_type.shape.dim]
+        readers = consumers.get(name, [])
+        nhwc = readers[0] if len(readers) == 1 and readers[0].op_type == "Transpose" and list(
+            readers[0].attrs.get("perm", [])) == [0, 3, 1, 2] else None
+        if len(dims) == 4 and nhwc is not None:
+            dims = [dims[0], dims[3], dims[1], dims[2]]
+        if len(dims) != 4 or dims[1] is None:
+            raise ModelSpecError(f"{self.where}: input '{name}' is not (N, C, H, W) with a fixed channel count C "
+                                 f"(its dims: {[d or '?' for d in dims]}); export with NCHW input (tf2onnx: "
+                                 f"--inputs-as-nchw)")
+        return name, tuple(dims[1:]), nhwc
 
     def network(self, loss: str, name: str) -> tuple[Network, dict]:
-        absorbed: set[int] = set()
+        absorbed: set[int] = {id(self.nhwc)}
         for node in self.nodes:
             if id(node) in absorbed:
                 continue
             read = self._read(node)
             absorbed.update(id(n) for n in read.absorbed)
+            self._carry_feature_order(node, read)
             if read.alias:
                 self.producer[read.output] = self._producer(node, read.reads[0])
                 self.shapes[read.output] = self.shapes[read.reads[0]]
@@ -181,6 +192,18 @@ class _Importer:
         _, _, op, read = max(reads, key=lambda r: r[:2])
         read.attrs = {"op": op.name, **read.attrs}
         return read
+
+    def _carry_feature_order(self, node: OnnxNode, read: OnnxRead) -> None:
+        """Features in another order pass through elementwise ops and an alias; any other reader must have asked for
+        the order (a dense layer permuting its columns)."""
+        permuted = [t for t in read.reads if t in self.orders]
+        op = OPS[read.attrs["op"]] if not read.alias else None
+        if permuted and (read.alias or op.elementwise):
+            self.orders[read.output] = self.orders[permuted[0]]
+        elif permuted and not set(permuted) <= self.graph.orders_read:
+            self.fail(node, "reads features flattened in (H, W, C) order, which only a dense layer can take")
+        if read.feature_order is not None:
+            self.orders[read.output] = read.feature_order
 
     def _producer(self, node: OnnxNode, tensor: str) -> str:
         if tensor not in self.producer:

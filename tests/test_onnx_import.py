@@ -33,20 +33,22 @@ def _weights(*shape) -> np.ndarray:
     return RNG.uniform(-0.5, 0.5, shape).astype(np.float32).astype(np.float64)
 
 
-def _save(path, nodes, initializers: dict, channels: int = 2, opset: int = 17):
+def _save(path, nodes, initializers: dict, channels: int = 2, opset: int = 17, input_shape=None):
     """A one-input one-output float64 graph (float64 so ONNX's reference evaluator and the lab agree to 1e-12)."""
+    input_shape = input_shape or ["N", channels, "H", "W"]
     graph = helper.make_graph(
-        nodes, path.stem, [helper.make_tensor_value_info("x", TensorProto.DOUBLE, ["N", channels, "H", "W"])],
+        nodes, path.stem, [helper.make_tensor_value_info("x", TensorProto.DOUBLE, input_shape)],
         [helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.DOUBLE, None)],
         [numpy_helper.from_array(value, name) for name, value in initializers.items()])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
     return path
 
 
-def _agrees_with_onnx(path, network, params, height=16, width=16):
-    """The spec with the imported parameters computes what ONNX's reference evaluator computes from the file."""
+def _agrees_with_onnx(path, network, params, height=16, width=16, nhwc=False):
+    """The spec with the imported parameters computes what ONNX's reference evaluator computes from the file
+    (`nhwc`: the file reads the same images (N, H, W, C))."""
     x = RNG.standard_normal((2, network.input_channels, height, width))
-    expected = ReferenceEvaluator(str(path)).run(None, {"x": x})[0]
+    expected = ReferenceEvaluator(str(path)).run(None, {"x": x.transpose(0, 2, 3, 1) if nhwc else x})[0]
     module = SpecModule(network, dtype=torch.float64)
     module.load_state_dict({name: torch.from_numpy(value).double() for name, value in params.items()})
     got = module(torch.from_numpy(x)).detach().numpy()
@@ -304,3 +306,33 @@ def test_a_keras_style_head_reads_reduce_mean_reshape_and_an_old_upsample(tmp_pa
     assert network.layers[0].attrs["scale"] == (3, 3) and network.layers[5].attrs["p"] == 0.25
     assert network.param_shapes["MatMul_6.weight"] == (5, 4) and network.fits(20, 28)  # any size: a global average
     _agrees_with_onnx(path, network, params, 8, 12)
+
+
+def test_a_tensorflow_lenet_with_nhwc_input_and_an_hwc_flatten_reads_with_its_dense_rows_permuted(tmp_path):
+    """tf2onnx without --inputs-as-nchw: the input transposed to NCHW, then back to NHWC before Keras's Flatten, whose
+    (H, W, C) features the dense kernel's rows follow."""
+    conv, weights = _conv("conv", "xc", "c", (3, 2, 3, 3), pads=[0, 0, 0, 0])
+    nodes = [helper.make_node("Transpose", ["x"], ["xc"], perm=[0, 3, 1, 2]), conv, helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Transpose", ["p"], ["t"], perm=[0, 2, 3, 1]),
+             helper.make_node("Reshape", ["t", "shape"], ["f"]), helper.make_node("Relu", ["f"], ["fr"]),
+             helper.make_node("MatMul", ["fr", "dense/kernel"], ["g"]), helper.make_node("Add", ["g", "dense/bias"], ["y"])]
+    kernel = _weights(3 * 5 * 4, 6)
+    path = _save(tmp_path / "tf-lenet.onnx", nodes, {**weights, "shape": np.array([-1, 60], np.int64),
+                                                      "dense/kernel": kernel, "dense/bias": _weights(6)},
+                 input_shape=["N", 12, 10, 2])
+    network, params = read_onnx(path, loss="cross_entropy")
+    assert [layer.op for layer in network.layers] == ["conv2d", "relu", "max_pool2d", "flatten", "relu", "linear"]
+    assert network.input_channels == 2 and network.fits(12, 10) and not network.fits(16, 16)
+    # the dense row of (h, w, c) is the spec's column c·H·W + h·W + w (H, W = 5, 4 after the pool)
+    h, w, c = 1, 3, 2
+    np.testing.assert_array_equal(params["MatMul_7.weight"][:, c * 20 + h * 4 + w], kernel[h * 4 * 3 + w * 3 + c])
+    _agrees_with_onnx(path, network, params, 12, 10, nhwc=True)
+
+
+def test_hwc_features_read_by_anything_but_a_dense_layer_are_refused(tmp_path):
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 3, 1]),
+             helper.make_node("Flatten", ["t"], ["f"], axis=1), helper.make_node("Add", ["f", "f"], ["y"], name="twice")]
+    path = _save(tmp_path / "hwc.onnx", nodes, {}, input_shape=["N", 2, 4, 4])
+    with pytest.raises(ModelSpecError, match="node 'twice' \\(Add\\): reads features flattened in \\(H, W, C\\) order"):
+        read_onnx(path)

@@ -398,6 +398,15 @@ def _may_be_nonzero(value: torch.Tensor, *errors) -> torch.Tensor:
     return mask.to(value.dtype)
 
 
+def _columns_moved(weight: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """The (out, in) weight whose column order[j] is `weight`'s column j."""
+    require(weight.shape[1] == order.size, f"its matrix has {weight.shape[1]} rows, the flatten before it gives "
+            f"{order.size} features")
+    moved = np.empty_like(weight)
+    moved[:, order] = weight
+    return moved
+
+
 def _with_bias(read: OnnxRead, node, graph, channels: int, image: bool) -> OnnxRead:
     """`read` with its bias: the node's third input, else a following Add of one constant per output channel
     (absorbed), else none."""
@@ -611,6 +620,9 @@ class Linear(Op):
         require(not int(attr(node, "transA", 0)) and float(attr(node, "alpha", 1.0)) == 1.0
                 and float(attr(node, "beta", 1.0)) == 1.0, "transA, alpha or beta other than Gemm's defaults")
         weight = matrix if transposed else matrix.T
+        order = graph.feature_order(node.inputs[0])
+        if order is not None:  # features flattened (H, W, C): each weight column goes where the spec's flatten puts it
+            weight = _columns_moved(weight, order)
         read = OnnxRead({"in": weight.shape[1], "out": weight.shape[0]}, graph.data_inputs(node), node.outputs[0],
                         params={"weight": np.ascontiguousarray(weight)}, param_sources={"weight": node.inputs[1]})
         bias_name = node.inputs[2] if node.op_type == "Gemm" and len(node.inputs) > 2 else ""

@@ -34,7 +34,8 @@ class OnnxRead:
     `reads`: the tensors the layer reads, in the spec's input order; `output`: the tensor it produces;
     `absorbed`: the nodes after the first that it stands for too; `params`: parameter suffix → array in the
     canonical layout, `param_sources`: suffix → the initializer it came from (its name can name the layer);
-    `alias`: no layer at all, the output is the input (Identity).
+    `alias`: no layer at all, the output is the input (Identity); `feature_order`: a flatten of another order
+    (TensorFlow's (H, W, C)): ONNX feature j is the spec's feature feature_order[j], for the reader to permute.
     """
 
     attrs: dict
@@ -44,20 +45,28 @@ class OnnxRead:
     params: dict = field(default_factory=dict)
     param_sources: dict = field(default_factory=dict)
     alias: bool = False
+    feature_order: np.ndarray | None = None  # features in another order than the spec's (C, H, W) flatten: where each goes
 
 
 class OnnxGraph:
     """What an op may ask about the graph around a node: constants, per-sample shapes, who reads a tensor."""
 
-    def __init__(self, constants: dict, shapes: dict, consumers: dict):
-        self._constants, self._shapes, self._consumers = constants, shapes, consumers
+    def __init__(self, constants: dict, shapes: dict, consumers: dict, orders: dict):
+        self._constants, self._shapes, self._consumers, self._orders = constants, shapes, consumers, orders
+        self.orders_read: set[str] = set()
+
+    def feature_order(self, tensor: str) -> np.ndarray | None:
+        """Where each feature of `tensor` sits in the spec's (C, H, W) flatten (None: the same order); asking
+        says the asking op puts them there (a dense layer permutes its weight's columns)."""
+        self.orders_read.add(tensor)
+        return self._orders.get(tensor)
 
     def constant(self, tensor: str) -> np.ndarray | None:
         """An initializer's or Constant node's value (None: a tensor computed from the input, or absent)."""
         return self._constants.get(tensor) if tensor else None
 
     def shape(self, tensor: str) -> tuple:
-        """The per-sample shape (C, H, W) or (F,) of a computed tensor; H and W None (any size)."""
+        """The per-sample shape (C, H, W) or (F,) of a computed tensor; H and W None unless the graph fixes them."""
         return self._shapes[tensor]
 
     def only_reader(self, tensor: str) -> OnnxNode | None:
@@ -196,10 +205,12 @@ def zero_pads(node: OnnxNode, graph: OnnxGraph) -> list[int]:
     return [h0, h1, w0, w1]
 
 
-def flattens_each_sample(node: OnnxNode, graph: OnnxGraph) -> None:
-    """ONNX Flatten at axis 1, or a Reshape of an image to [batch, −1] (as tf2onnx writes a Keras Flatten)."""
+def flattens_each_sample(node: OnnxNode, graph: OnnxGraph, image: bool | None = None) -> None:
+    """ONNX Flatten at axis 1, or a Reshape of an image to [batch, −1] (as tf2onnx writes a Keras Flatten);
+    `image`: whether it reads an image (default: its input's shape says)."""
     data = graph.data_inputs(node)
-    require(len(data) == 1 and len(graph.shape(data[0])) == 3, "it reshapes features, not an image (C, H, W)")
+    image = len(data) == 1 and len(graph.shape(data[0])) == 3 if image is None else image
+    require(len(data) == 1 and image, "it reshapes features, not an image (C, H, W)")
     if node.op_type == "Flatten":
         require(int(attr(node, "axis", 1)) == 1, f"axis {attr(node, 'axis')}: only flattening each sample (axis 1)")
         return

@@ -470,11 +470,26 @@ class Flatten(Op):
 
     torch_modules = (torch.nn.Flatten,)
     torch_calls = (torch.flatten, "flatten")
-    onnx_ops = ("Flatten", "Reshape")
+    onnx_ops = ("Flatten", "Reshape", "Transpose")
 
     def from_onnx_node(self, node, graph):
-        flattens_each_sample(node, graph)
-        return OnnxRead({}, graph.data_inputs(node), node.outputs[0])
+        """Flatten, a Reshape to [batch, −1], or TensorFlow's flatten of NHWC: Transpose to (N, H, W, C), then one of
+        those; its features are then in (H, W, C) order, which the dense layer reading them permutes back."""
+        if node.op_type != "Transpose":
+            flattens_each_sample(node, graph)
+            return OnnxRead({}, graph.data_inputs(node), node.outputs[0])
+        flat = graph.only_reader(node.outputs[0])
+        x = graph.data_inputs(node)
+        require(list(attr(node, "perm", [])) == [0, 2, 3, 1] and flat is not None and flat.op_type != "Transpose"
+                and len(x) == 1, "a Transpose other than NCHW → NHWC before a flatten (the lab's activations are "
+                "NCHW; tf2onnx: --inputs-as-nchw)")
+        require(flat.op_type in self.onnx_ops, f"a Transpose to NHWC read by {flat.op_type}, not by a flatten")
+        flattens_each_sample(flat, graph, image=len(graph.shape(x[0])) == 3)
+        c, h, w = graph.shape(x[0])
+        require(h is not None and w is not None, "a flatten in (H, W, C) order needs the graph's input height and "
+                "width fixed (export with a static input shape)")
+        order = np.arange(c * h * w).reshape(c, h, w).transpose(1, 2, 0).reshape(-1)
+        return OnnxRead({}, x, flat.outputs[0], absorbed=[flat], feature_order=order)
 
     def call_inputs(self, tensors, args):
         return tensors[:1]
