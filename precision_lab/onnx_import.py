@@ -188,7 +188,8 @@ class _Importer:
             if read is not None:
                 reads.append((len(read.absorbed), -len(reads), op, read))
         if not reads:
-            self.fail(node, refusals[0] if refusals else "not in a form the lab's ops read")
+            self.fail(node, refusals[0] if refusals else f"the lab reads {node.op_type} only as part of "
+                      f"{' or '.join(op.name for op in candidates)} (docs/models.md, \"From ONNX\")")
         _, _, op, read = max(reads, key=lambda r: r[:2])
         read.attrs = {"op": op.name, **read.attrs}
         return read

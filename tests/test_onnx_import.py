@@ -336,3 +336,10 @@ def test_hwc_features_read_by_anything_but_a_dense_layer_are_refused(tmp_path):
     path = _save(tmp_path / "hwc.onnx", nodes, {}, input_shape=["N", 2, 4, 4])
     with pytest.raises(ModelSpecError, match="node 'twice' \\(Add\\): reads features flattened in \\(H, W, C\\) order"):
         read_onnx(path)
+
+
+def test_a_node_read_only_as_part_of_a_decomposed_op_says_so(tmp_path):
+    nodes = [helper.make_node("Div", ["x", "two"], ["y"], name="halve")]
+    path = _save(tmp_path / "div.onnx", nodes, {"two": np.array(2.0)})
+    with pytest.raises(ModelSpecError, match="node 'halve' \\(Div\\): the lab reads Div only as part of gelu "):
+        read_onnx(path)
