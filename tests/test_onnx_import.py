@@ -169,10 +169,11 @@ def test_an_unsupported_node_is_named_in_one_line_with_the_supported_set(tmp_pat
     assert "\n" not in message and "MatMul" in message and "Resize" in message
 
 
-def test_a_bias_add_of_a_constant_that_is_no_bias_is_refused(tmp_path):
-    conv, weights = _conv("conv", "x", "c", (3, 2, 1, 1))
+@pytest.mark.parametrize("shape", [(1, 3, 4, 4), (3,)])  # per pixel; (3,) broadcasts along the width, not channels
+def test_an_add_of_a_constant_that_is_no_bias_is_refused(tmp_path, shape):
+    conv = helper.make_node("Conv", ["x", "kernel"], ["c"], name="conv")  # bias-free: the Add could have been it
     path = _save(tmp_path / "shift.onnx", [conv, helper.make_node("Add", ["c", "shift"], ["y"], name="shift")],
-                 {**weights, "shift": _weights(1, 3, 4, 4)})
+                 {"kernel": _weights(3, 2, 1, 1), "shift": _weights(*shape)})
     with pytest.raises(ModelSpecError, match="node 'shift' \\(Add\\): Add with a constant: the spec's add combines"):
         read_onnx(path)
 

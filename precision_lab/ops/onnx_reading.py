@@ -101,8 +101,9 @@ def bias_of(node: OnnxNode, graph: OnnxGraph, channels: int, image: bool) -> np.
     if node is None or node.op_type != "Add" or len(graph.data_inputs(node)) != 1:
         return None
     constant = next((graph.constant(t) for t in node.inputs if graph.constant(t) is not None), None)
-    wanted = {(channels,), (1, channels)} | ({(channels, 1, 1), (1, channels, 1, 1)} if image else set())
-    if constant is None or tuple(constant.shape) not in wanted:
+    # on an image (N, C, H, W) a (C,) constant broadcasts along W: a bias there is (C, 1, 1)
+    wanted = {(channels, 1, 1), (1, channels, 1, 1)} if image else {(channels,), (1, channels)}
+    if constant is None or not (tuple(constant.shape) in wanted or constant.size == channels == 1):
         return None
     return constant.reshape(channels)
 
