@@ -200,6 +200,14 @@ def test_an_onnx_file_is_named_with_its_loss_in_a_spec_file_or_a_candidates_mode
                                                                                       "conv.bias": (3,)}
     # the network's spec is the layer form: a bundle written from it needs no .onnx file
     assert json.loads(json.dumps(from_file.spec))["layers"][0]["op"] == "conv2d"
+    from precision_lab.candidates import resolve
+
+    (tmp_path / "impl.py").write_text("")
+    (tmp_path / "mine.yaml").write_text("name: mine\ncommand: ['{python}', impl.py, '{request}', '{response}']\n"
+                                        "precision: float32\nweight_layout: OIHW\n"
+                                        "model: {onnx: nets/seg.onnx, loss: cross_entropy}\n")
+    candidate = resolve(str(tmp_path / "mine.yaml"))
+    assert candidate.network.loss == "cross_entropy" and candidate.network.param_shapes == bare.param_shapes
     with pytest.raises(ModelSpecError, match="unknown key 'weights' beside 'onnx'"):
         load_model({"onnx": "nets/seg.onnx", "weights": "w.npz"}, base_dir=tmp_path)
 
