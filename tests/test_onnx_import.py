@@ -352,3 +352,36 @@ def test_a_node_read_only_as_part_of_a_decomposed_op_says_so(tmp_path):
     path = _save(tmp_path / "div.onnx", nodes, {"two": np.array(2.0)})
     with pytest.raises(ModelSpecError, match="node 'halve' \\(Div\\): the lab reads Div only as part of gelu "):
         read_onnx(path)
+
+
+def test_gelu_and_mish_read_whole_or_decomposed_as_exporters_write_them(tmp_path):
+    conv, weights = _conv("conv", "x", "c", (3, 2, 3, 3), pads=[1, 1, 1, 1])
+    nodes = [conv, helper.make_node("Div", ["c", "sqrt2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["p"]), helper.make_node("Mul", ["c", "p"], ["m"]),
+             helper.make_node("Mul", ["m", "half"], ["gelu"]),  # x·(1 + erf(x/√2))·0.5: GELU before opset 20
+             helper.make_node("Softplus", ["gelu"], ["s"]), helper.make_node("Tanh", ["s"], ["t"]),
+             helper.make_node("Mul", ["t", "gelu"], ["mish"]),  # x·tanh(softplus(x)): Mish before opset 18
+             helper.make_node("Gelu", ["mish"], ["g"], approximate="tanh"),
+             helper.make_node("Mish", ["g"], ["y"])]
+    path = _save(tmp_path / "smooth.onnx", nodes, {**weights, "sqrt2": np.array(np.sqrt(2.0)), "one": np.array(1.0),
+                                                   "half": np.array(0.5)}, opset=20)
+    network, params = read_onnx(path)
+    assert [(layer.op, layer.attrs.get("approximate")) for layer in network.layers] == [
+        ("conv2d", None), ("gelu", "none"), ("mish", None), ("gelu", "tanh"), ("mish", None)]
+    # against the formulas themselves: ONNX's reference evaluator computes erf to about 3e-8 only
+    x = torch.from_numpy(RNG.standard_normal((2, 2, 16, 16)))
+    module = SpecModule(network, dtype=torch.float64)
+    module.load_state_dict({name: torch.from_numpy(value).double() for name, value in params.items()})
+    c = torch.nn.functional.conv2d(x, module.conv.weight, module.conv.bias, padding=1)
+    gelu = c * (1 + torch.erf(c / np.sqrt(2.0))) * 0.5
+    mish = gelu * torch.tanh(torch.log1p(torch.exp(gelu)))
+    g = torch.nn.functional.gelu(mish, approximate="tanh")
+    expected = g * torch.tanh(torch.log1p(torch.exp(g)))
+    assert (module(x) - expected).abs().max() <= 1e-12 * expected.abs().max()
+
+
+def test_a_sigmoid_read_by_more_than_its_product_stays_a_sigmoid(tmp_path):
+    nodes = [helper.make_node("Sigmoid", ["x"], ["s"]), helper.make_node("Mul", ["x", "s"], ["m"]),
+             helper.make_node("Add", ["m", "s"], ["y"])]
+    network, _ = read_onnx(_save(tmp_path / "gate.onnx", nodes, {}))
+    assert [layer.op for layer in network.layers] == ["sigmoid", "mul", "add"]
