@@ -225,11 +225,15 @@ class _Importer:
             layer["from"] = reads[1]
         elif reads != [previous]:
             layer["inputs"] = reads
-        self.shapes[read.output] = self._shape(node, layer, [self.shapes[t] for t in read.reads])
+        shape = self._shape(node, layer, [self.shapes[t] for t in read.reads])
         self.layers.append(layer)
-        self.producer[read.output] = layer_name
         for suffix, value in read.params.items():
             self.params[f"{layer_name}.{suffix}"] = np.ascontiguousarray(value, dtype=np.float32)
+        for extra in read.then:  # the node's further layers, each reading the one before
+            self.layers.append({"name": self._unique(f"{layer_name}_{extra['op']}"), **extra})
+            shape = self._shape(node, self.layers[-1], [shape])
+        self.shapes[read.output] = shape
+        self.producer[read.output] = self.layers[-1]["name"]
 
     def _shape(self, node: OnnxNode, layer: dict, shapes: list) -> tuple:
         """The per-sample output shape (any image size), through the layers the written one stands for."""
@@ -250,11 +254,15 @@ class _Importer:
         else:
             name = re.sub(r"\.{2,}", ".", re.sub(r"[^A-Za-z0-9_.]+", "_", node.name)).strip("._")
             name = name or node.op_type.lower()
-            if name == NETWORK_INPUT:
-                name += "_layer"
-            base, count = name, 1
-            while name in self.names:
-                count += 1
-                name = f"{base}_{count}"
+            name = self._unique(name + "_layer" if name == NETWORK_INPUT else name)
+        self.names.add(name)
+        return name
+
+    def _unique(self, name: str) -> str:
+        """`name`, or `name_2`, `name_3` … when a layer has it."""
+        base, count = name, 1
+        while name in self.names:
+            count += 1
+            name = f"{base}_{count}"
         self.names.add(name)
         return name

@@ -385,3 +385,21 @@ def test_a_sigmoid_read_by_more_than_its_product_stays_a_sigmoid(tmp_path):
              helper.make_node("Add", ["m", "s"], ["y"])]
     network, _ = read_onnx(_save(tmp_path / "gate.onnx", nodes, {}))
     assert [layer.op for layer in network.layers] == ["sigmoid", "mul", "add"]
+
+
+@pytest.mark.parametrize("ending", ["reduce_mean", "squeeze"])
+def test_a_global_average_to_features_reads_as_a_pool_and_a_flatten(tmp_path, ending):
+    """tf2onnx's GlobalAveragePooling2D: ReduceMean without keepdims, or a pool then Squeeze of H and W."""
+    conv, weights = _conv("conv", "x", "c", (4, 2, 3, 3), pads=[1, 1, 1, 1])
+    pooled = ([helper.make_node("ReduceMean", ["c"], ["f"], axes=[2, 3], keepdims=0, name="gap")]
+              if ending == "reduce_mean" else
+              [helper.make_node("GlobalAveragePool", ["c"], ["p"], name="gap"),
+               helper.make_node("Squeeze", ["p", "axes"], ["f"], name="squeeze")])
+    nodes = [conv, *pooled, helper.make_node("Gemm", ["f", "fc.weight", "fc.bias"], ["y"], transB=1)]
+    path = _save(tmp_path / "gap.onnx", nodes, {**weights, "axes": np.array([2, 3], np.int64),
+                                                "fc.weight": _weights(3, 4), "fc.bias": _weights(3)}, opset=13)
+    network, params = read_onnx(path, loss="cross_entropy")
+    assert [(layer.name, layer.op) for layer in network.layers] == [
+        ("conv", "conv2d"), ("gap", "global_avg_pool2d"), ("gap_flatten" if ending == "reduce_mean" else "squeeze",
+                                                          "flatten"), ("fc", "linear")]
+    _agrees_with_onnx(path, network, params, 12, 20)

@@ -35,7 +35,8 @@ class OnnxRead:
     `absorbed`: the nodes after the first that it stands for too; `params`: parameter suffix → array in the
     canonical layout, `param_sources`: suffix → the initializer it came from (its name can name the layer);
     `alias`: no layer at all, the output is the input (Identity); `feature_order`: a flatten of another order
-    (TensorFlow's (H, W, C)): ONNX feature j is the spec's feature feature_order[j], for the reader to permute.
+    (TensorFlow's (H, W, C)): ONNX feature j is the spec's feature feature_order[j], for the reader to permute;
+    `then`: layers after the op's own that the node stands for too (ReduceMean without keepdims: a pool, a flatten).
     """
 
     attrs: dict
@@ -46,6 +47,7 @@ class OnnxRead:
     param_sources: dict = field(default_factory=dict)
     alias: bool = False
     feature_order: np.ndarray | None = None  # features in another order than the spec's (C, H, W) flatten: where each goes
+    then: list = field(default_factory=list)  # spec layers ({"op": …, attributes}) the node also stands for, in order
 
 
 class OnnxGraph:

@@ -470,11 +470,18 @@ class Flatten(Op):
 
     torch_modules = (torch.nn.Flatten,)
     torch_calls = (torch.flatten, "flatten")
-    onnx_ops = ("Flatten", "Reshape", "Transpose")
+    onnx_ops = ("Flatten", "Reshape", "Transpose", "Squeeze")
 
     def from_onnx_node(self, node, graph):
         """Flatten, a Reshape to [batch, −1], or TensorFlow's flatten of NHWC: Transpose to (N, H, W, C), then one of
         those; its features are then in (H, W, C) order, which the dense layer reading them permutes back."""
+        if node.op_type == "Squeeze":  # a global pool's (C, 1, 1) to (C,): axes an attribute before opset 13
+            axes = graph.constant(node.inputs[1]) if len(node.inputs) > 1 else attr(node, "axes")
+            x = graph.data_inputs(node)
+            require(len(x) == 1 and axes is not None and sorted(int(a) % 4 for a in np.asarray(axes).reshape(-1))
+                    == [2, 3] and tuple(graph.shape(x[0])[1:]) == (1, 1), "a Squeeze other than of a 1×1 image's "
+                    "height and width")
+            return OnnxRead({}, x, node.outputs[0])
         if node.op_type != "Transpose":
             flattens_each_sample(node, graph)
             return OnnxRead({}, graph.data_inputs(node), node.outputs[0])
@@ -634,12 +641,15 @@ class GlobalAvgPool2d(Op):
 
     def from_onnx_node(self, node, graph):
         """GlobalAveragePool, or ReduceMean over height and width keeping them (a Keras GlobalAveragePooling2D)."""
-        if node.op_type == "ReduceMean":
-            axes = graph.constant(node.inputs[1]) if len(node.inputs) > 1 else attr(node, "axes")
-            require(axes is not None and sorted(int(a) % 4 for a in np.asarray(axes).reshape(-1)) == [2, 3]
-                    and int(attr(node, "keepdims", 1)) == 1, "ReduceMean other than over height and width with "
-                    "keepdims=1")
-        return unary(node, graph)
+        if node.op_type != "ReduceMean":
+            return unary(node, graph)
+        axes = graph.constant(node.inputs[1]) if len(node.inputs) > 1 else attr(node, "axes")
+        require(axes is not None and sorted(int(a) % 4 for a in np.asarray(axes).reshape(-1)) == [2, 3],
+                "ReduceMean other than over height and width")
+        read = unary(node, graph)
+        if not int(attr(node, "keepdims", 1)):  # (N, C) as tf2onnx writes GlobalAveragePooling2D: the pool, flattened
+            read.then = [{"op": Flatten.name}]
+        return read
 
     def from_torch_module(self, module):
         return self._one(module.output_size)
