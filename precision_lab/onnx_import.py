@@ -4,7 +4,8 @@
 op registry which op reads each node (`Op.onnx_ops`, `Op.from_onnx_node`): a layer of the layer form, the tensors
 it reads turned into its `inputs`, its initializers into its parameters in the lab's canonical layout (OIHW,
 OI). It returns the `Network` and those parameters; `load_onnx` the `Network` alone. An ONNX graph has no loss:
-the caller names it (`loss:` beside `onnx:` in a spec file or a candidate YAML's `model:`; mse otherwise).
+the caller names it (`loss:` beside `onnx:` in a spec file or a candidate YAML's `model:`; mse otherwise), and the
+loss may take the graph's last node (`takes_onnx_output`: a classifier's softmax under cross_entropy).
 
 Layer names: a parametrised layer whose weight initializer is named `<layer>.weight` (a PyTorch export) takes
 `<layer>`, so the parameters keep their `state_dict` names; any other layer takes its node's name with each run
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .model import NETWORK_INPUT, ModelSpecError, Network, parse_spec
-from .ops import OPS, OpSpecError
+from .ops import LOSSES, OPS, OpSpecError
 from .ops.losses import MSE
 from .ops.onnx_reading import OnnxGraph, OnnxNode, OnnxRead
 
@@ -41,7 +42,8 @@ def read_onnx(path: str | Path, loss: str = MSE.name, name: str | None = None) -
     """(Network, parameters by spec name as float32 arrays in the canonical layout) of an ONNX file."""
     path = Path(path)
     model = _load(path)
-    return _Importer(model.graph, str(path)).network(loss, name or path.stem)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    return _Importer(model.graph, str(path), opset).network(loss, name or path.stem)
 
 
 def _load(path: Path):
@@ -91,10 +93,10 @@ _CONSTANT_VALUES = ("value", "value_float", "value_floats", "value_int", "value_
 
 
 class _Importer:
-    def __init__(self, graph, where: str):
+    def __init__(self, graph, where: str, opset: int):
         from onnx import numpy_helper
 
-        self.where = where
+        self.where, self.opset = where, opset
         self.constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
         self.nodes = []
         for index, proto in enumerate(graph.node):
@@ -152,6 +154,9 @@ class _Importer:
         for node in self.nodes:
             if id(node) in absorbed:
                 continue
+            if loss in LOSSES and node.outputs[0] == self.output and self._loss_takes(LOSSES[loss], node):
+                self.producer[self.output] = self._producer(node, self.graph.data_inputs(node)[0])
+                continue
             read = self._read(node)
             absorbed.update(id(n) for n in read.absorbed)
             self._carry_feature_order(node, read)
@@ -171,6 +176,16 @@ class _Importer:
                 raise ModelSpecError(f"{self.where}: {parameter} reads as {list(self.params[parameter].shape)}, "
                                      f"the spec wants {list(shape)}")
         return network, self.params
+
+    def _loss_takes(self, loss, node: OnnxNode) -> bool:
+        """Whether the graph's last node belongs to the loss (a classifier's final softmax under cross_entropy)."""
+        data = self.graph.data_inputs(node)
+        if len(data) != 1 or data[0] not in self.shapes:
+            return False
+        try:
+            return loss.takes_onnx_output(node, self.shapes[data[0]], self.opset)
+        except OpSpecError as exc:
+            self.fail(node, str(exc))
 
     def _read(self, node: OnnxNode) -> OnnxRead:
         """The read of the op that absorbs the most nodes from here (SiLU's Sigmoid then Mul before sigmoid)."""

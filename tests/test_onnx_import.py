@@ -403,3 +403,28 @@ def test_a_global_average_to_features_reads_as_a_pool_and_a_flatten(tmp_path, en
         ("conv", "conv2d"), ("gap", "global_avg_pool2d"), ("gap_flatten" if ending == "reduce_mean" else "squeeze",
                                                           "flatten"), ("fc", "linear")]
     _agrees_with_onnx(path, network, params, 12, 20)
+
+
+@pytest.mark.parametrize("final, opset", [("Softmax", 13), ("LogSoftmax", 17), ("Softmax", 11)])
+def test_a_classifiers_final_softmax_belongs_to_cross_entropy(tmp_path, final, opset):
+    conv, weights = _conv("conv", "x", "c", (4, 2, 3, 3), pads=[1, 1, 1, 1])
+    nodes = [conv, helper.make_node("GlobalAveragePool", ["c"], ["p"]), helper.make_node("Flatten", ["p"], ["f"]),
+             helper.make_node("Gemm", ["f", "fc.weight", "fc.bias"], ["z"], transB=1),
+             helper.make_node(final, ["z"], ["y"], name="probs")]
+    path = _save(tmp_path / "probs.onnx", nodes, {**weights, "fc.weight": _weights(3, 4), "fc.bias": _weights(3)},
+                 opset=opset)
+    network, _ = read_onnx(path, loss="cross_entropy")
+    assert [layer.op for layer in network.layers][-1] == "linear"  # the logits: the loss applies the softmax
+    with pytest.raises(ModelSpecError, match=f"node 'probs' is {final}, which the lab has no op for"):
+        read_onnx(path, loss="mse")
+
+
+def test_a_softmax_over_every_axis_at_once_is_not_the_classifiers(tmp_path):
+    conv, weights = _conv("conv", "x", "c", (4, 2, 3, 3), pads=[1, 1, 1, 1])
+    nodes = [conv, helper.make_node("Softmax", ["c"], ["y"], name="probs")]  # opset 11: over C·H·W together
+    path = _save(tmp_path / "seg.onnx", nodes, weights, opset=11)
+    with pytest.raises(ModelSpecError, match="node 'probs' \\(Softmax\\): Softmax over axis None is not over the "
+                                             "classes"):
+        read_onnx(path, loss="cross_entropy")
+    _save(tmp_path / "seg.onnx", [conv, helper.make_node("Softmax", ["c"], ["y"], axis=1)], weights, opset=13)
+    assert read_onnx(tmp_path / "seg.onnx", loss="cross_entropy")[0].layers[-1].op == "conv2d"
