@@ -9,7 +9,8 @@ A model spec describes a network in one of two forms, both valid in `bundle.json
   layers run in order, each on the previous layer's output; ``add`` and ``concat`` combine it
   with the output of the earlier layer named in ``from``.
 
-`load_model` reads either (a dict, a JSON/YAML file, or a built-in name) into a `Network`, the
+`load_model` reads either (a dict, a JSON/YAML file, or a built-in name), or an exported `.onnx` file
+(precision_lab.onnx_import; `{"onnx": FILE, "loss": …}` names its loss), into a `Network`, the
 one value every consumer reads (problem, reference, error model, verdicts, doctors, bundles,
 experiments). Every check happens here, before anything runs: an unknown op names the op and
 the supported set; channels that do not chain, a `from` that names no earlier layer, a
