@@ -63,7 +63,7 @@ bench: setup ## print the benchmark ratios (float64 reference, cost of a diagnos
 	$(LAB) bench
 
 # what a GPU node with a CUDA torch but no network typically lacks (scripts/gpu-run.sh installs them)
-WHEELS         ?= scipy papermill nbconvert nbformat ipykernel mrcfile pyyaml tqdm psutil pytest mpmath<1.4 dask distributed pyarrow
+WHEELS         ?= scipy papermill nbconvert nbformat ipykernel mrcfile pyyaml tqdm psutil pytest mpmath<1.4 dask distributed pyarrow onnx
 # distributions the node already has: not kept, so its own builds stay (a CUDA torch always brings numpy;
 # a fuller image can name more, e.g. WHEELS_PRESENT="numpy pyarrow pandas" to keep .whl/ small)
 WHEELS_PRESENT ?= numpy

@@ -74,7 +74,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", default="2", help="batch size (default 2)")
     parser.add_argument("--seed", default="0", help="problem seed (default 0)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto: the GPU when present)")
-    parser.add_argument("--model", default=None, help="model spec (JSON/YAML file, default the seed CNN)")
+    parser.add_argument("--model", default=None,
+                        help="model spec (JSON/YAML file or an exported .onnx, default the seed CNN)")
     parser.add_argument("--repeats", default="3", help="interleaved runs per timing; the fastest counts (default 3)")
     parser.add_argument("--candidate", default=str(DEFAULT_CANDIDATE),
                         help="float32 command candidate YAML for the diagnosis cost (default examples/python/candidate.yaml)")

@@ -43,8 +43,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", default=None, help=f"problem seed (default {DEFAULT_SEED})")
     parser.add_argument("--image", default=None, metavar="FILE",
                         help="a real micrograph (.npy or .mrc) instead of synthetic ones: each sample a centre crop")
-    parser.add_argument("--model", default=None, help="model spec (JSON/YAML file or 'seed') for built-in candidates; "
-                                                      "a candidate YAML names its own")
+    parser.add_argument("--model", default=None, help="model spec (JSON/YAML file, an exported .onnx, or 'seed') "
+                                                      "for built-in candidates; a candidate YAML names its own")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
     parser.add_argument("--probes", default="default",
                         help=f"none, default, or a comma-separated list of {', '.join(probe_set.PROBES)}")

@@ -41,7 +41,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                                      "the network takes)")
     parser.add_argument("--batch", default="2", help="images per batch (default 2)")
     parser.add_argument("--seed", default="0", help="seed of the synthetic micrographs and weights (default 0)")
-    parser.add_argument("--model", default=None, help="model spec (JSON/YAML file, or 'seed', the default)")
+    parser.add_argument("--model", default=None,
+                        help="model spec (JSON/YAML file, an exported .onnx, or 'seed', the default)")
     parser.add_argument("--layout", default="OIHW", help="weight layout of the bundle: a permutation of OIHW (default OIHW)")
     parser.add_argument("--raw", action="store_true", help="raw column-major .bin files instead of arrays.npz")
     parser.add_argument("--precision", default="float32", choices=EXPORT_PRECISIONS,

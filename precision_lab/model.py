@@ -9,7 +9,8 @@ A model spec describes a network in one of two forms, both valid in `bundle.json
   layers run in order, each on the previous layer's output; ``add`` and ``concat`` combine it
   with the output of the earlier layer named in ``from``.
 
-`load_model` reads either (a dict, a JSON/YAML file, or a built-in name) into a `Network`, the
+`load_model` reads either (a dict, a JSON/YAML file, or a built-in name), or an exported `.onnx` file
+(precision_lab.onnx_import; `{"onnx": FILE, "loss": …}` names its loss), into a `Network`, the
 one value every consumer reads (problem, reference, error model, verdicts, doctors, bundles,
 experiments). Every check happens here, before anything runs: an unknown op names the op and
 the supported set; channels that do not chain, a `from` that names no earlier layer, a
@@ -290,6 +291,8 @@ def parse_spec(spec: Any, where: str = "model") -> Network:
         return _network(_expand_seed_form(spec, where), where, spec)
     if "layers" in spec:
         return _network(spec, where, spec)
+    if ONNX_KEY in spec:
+        return _onnx_form(spec, None, where)
     if spec.get("opaque") is True:
         raise ModelSpecError(f"{where}: an opaque model has no spec the lab can compute; use a candidate YAML "
                              f"with `model: opaque` and `start: DIR` (reference-free gradient check)")
@@ -459,17 +462,50 @@ def load_model(source: Any = None, base_dir: str | Path | None = None) -> Networ
     if isinstance(source, Network):
         return source
     if isinstance(source, dict):
-        return parse_spec(source)
+        return _onnx_form(source, base_dir, "model") if ONNX_KEY in source else parse_spec(source)
     if isinstance(source, (str, Path)):
         text = str(source)
         if text in BUILTIN_MODELS:
             return parse_spec(BUILTIN_MODELS[text], text)
-        path = Path(text)
-        if not path.is_absolute() and not path.exists() and base_dir is not None:
-            path = Path(base_dir) / path
+        path = _resolved(text, base_dir)
+        if path.suffix.lower() == ONNX_SUFFIX:
+            from .onnx_import import load_onnx
+
+            return load_onnx(path)
         return _load_file(path, text)
     raise ModelSpecError(f"model must be a spec mapping, a JSON/YAML file or one of {', '.join(BUILTIN_MODELS)}; "
                          f"got {type(source).__name__}")
+
+
+#: an exported network: a `.onnx` file, or a spec {"onnx": FILE, "loss": …, "name": …} (the graph has no loss)
+ONNX_SUFFIX = ".onnx"
+ONNX_KEY = "onnx"
+ONNX_FORM_KEYS = (ONNX_KEY, "loss", "name")
+
+
+def _resolved(text: str, base_dir: str | Path | None) -> Path:
+    """A path as given, else relative to `base_dir` (a spec's or candidate YAML's folder)."""
+    path = Path(text)
+    if not path.is_absolute() and not path.exists() and base_dir is not None:
+        path = Path(base_dir) / path
+    return path
+
+
+def _onnx_form(spec: dict, base_dir: str | Path | None, where: str) -> Network:
+    """The network of {"onnx": FILE, "loss": …, "name": …}: FILE relative to `base_dir`, loss mse unless named."""
+    unknown = sorted(set(map(str, spec)) - set(ONNX_FORM_KEYS))
+    if unknown:
+        raise ModelSpecError(f"{where}: unknown key {unknown[0]!r} beside 'onnx': expected keys among "
+                             f"{', '.join(ONNX_FORM_KEYS)}")
+    file = spec[ONNX_KEY]
+    if not isinstance(file, str) or not file.lower().endswith(ONNX_SUFFIX):
+        raise ModelSpecError(f"{where}: key 'onnx' is {file!r}: expected the path of an {ONNX_SUFFIX} file")
+    loss = spec.get("loss", MSE.name)
+    if loss not in LOSSES:
+        raise ModelSpecError(f"{where}: unknown loss {loss!r}: supported losses are {', '.join(LOSSES)}")
+    from .onnx_import import load_onnx
+
+    return load_onnx(_resolved(file, base_dir), loss, spec.get("name"))
 
 
 def _load_file(path: Path, given: str) -> Network:
@@ -492,6 +528,8 @@ def _load_file(path: Path, given: str) -> Network:
     except (json.JSONDecodeError, Exception) as exc:  # noqa: BLE001 - yaml errors too: one line
         raise ModelSpecError(f"{path}: not valid {'JSON' if path.suffix.lower() == '.json' else 'YAML'} "
                              f"({' '.join(str(exc).split())})") from None
+    if isinstance(spec, dict) and ONNX_KEY in spec:
+        return _onnx_form({"name": path.stem, **spec}, path.parent, str(path))
     network = parse_spec(spec, str(path))
     if "name" not in spec:
         object.__setattr__(network, "name", path.stem)

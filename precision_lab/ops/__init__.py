@@ -220,6 +220,18 @@ class Op:
         """The tensor arguments a traced call reads (a concat's are in a list)."""
         return tensors
 
+    # read from an ONNX graph (precision_lab.onnx_import; ops.onnx_reading) ----------------------
+    #: ONNX node types this op reads (a decomposed op, as SiLU's Sigmoid then Mul: the type of its first node)
+    onnx_ops: tuple = ()
+
+    def from_onnx_node(self, node, graph):
+        """The layer (ops.onnx_reading.OnnxRead) an ONNX node of onnx_ops stands for, with the nodes after it that it
+        absorbs; None when the node is another op's of the same type; OpSpecError for a setting it cannot take.
+        This default reads a node of one computed input and no attributes (Relu, Tanh, GlobalAveragePool)."""
+        from .onnx_reading import unary
+
+        return unary(node, graph)
+
     # sampled propagation (precision_lab.sampled) ------------------------------------------------
     def sampled_forward_scale(self, attrs, xs, y, params, kernels, u: float, lam: float):
         """Scale σ of the Gaussian draw standing for the output's rounding (None: an exact copy or selection)."""

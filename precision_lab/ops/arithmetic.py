@@ -35,6 +35,7 @@ class Sub(Add):
     name = "sub"
     verb = "subtracts"
     torch_calls = (operator.sub, torch.sub)
+    onnx_ops = ("Sub",)
 
     def port_slips(self, attrs, in_shape):
         return [PortSlip("routing", "subtracts the other way round ({skip} minus {first})", SubSwapped,
@@ -63,6 +64,7 @@ class Mul(Add):
     name = "mul"
     verb = "multiplies"
     torch_calls = (operator.mul, torch.mul)
+    onnx_ops = ("Mul",)
     reads_error_backward = True
 
     def out_shape(self, attrs, in_shapes):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from . import REQUIRED, BoundContext, Field, GradField, Op, OpSpecError, Parts, as_pair, gather_radius, positive_int
 from . import PortSlip, Rule, abs_params, gamma_over_lambda, has_values, is_seed_conv, nonzero, register, sparse_points, spread
+from .onnx_reading import OnnxRead, attr, bias_of, pads_tblr, require
 from .. import roundoff
 from ..conv.winograd_bound import winograd_scale, winograd_weight_grad_scale
 
@@ -87,7 +88,34 @@ class Conv2d(Op):
         if pads[0] == pads[1] and pads[2] == pads[3]:
             return [dict(raw, padding=[pads[0], pads[2]])]
         multiple = raw.get("stride", 1) if padding == "same" else 1
-        return [{"op": "zero_pad2d", "padding": list(pads), "multiple": multiple}, dict(raw, padding=0)]
+        # the pad reads what the conv was written to read; the conv then reads the pad
+        pad = {"op": "zero_pad2d", "padding": list(pads), "multiple": multiple,
+               **({"inputs": raw["inputs"]} if "inputs" in raw else {})}
+        return [pad, {key: value for key, value in raw.items() if key != "inputs"} | {"padding": 0}]
+
+    onnx_ops = ("Conv",)
+
+    def from_onnx_node(self, node, graph):
+        """ONNX Conv (weight OIHW, as the lab's canonical layout); a bias as Conv's third input or a following Add."""
+        weight = graph.constant(node.inputs[1])
+        require(weight is not None and weight.ndim == 4, "its weight is not a constant 4-D tensor (a 2-D convolution "
+                "with weights as an initializer)")
+        out, per_group, kh, kw = weight.shape
+        require(list(attr(node, "kernel_shape", [kh, kw])) == [kh, kw], "kernel_shape differs from its weight's")
+        auto_pad = attr(node, "auto_pad", "NOTSET")
+        # SAME_UPPER puts the odd pixel after, TensorFlow's "same" (docs/models.md, "Per-side and same padding")
+        padding = {"NOTSET": None, "VALID": "valid", "SAME_UPPER": "same"}.get(auto_pad, auto_pad)
+        require(padding != "SAME_LOWER", "auto_pad SAME_LOWER (the odd pixel before): export with explicit pads")
+        pads = pads_tblr(attr(node, "pads", [0, 0, 0, 0]))
+        if pads[0] == pads[1] and pads[2] == pads[3]:
+            pads = [pads[0], pads[2]]  # symmetric: the conv's own padding, as PyTorch writes it
+        group = int(attr(node, "group", 1))
+        attrs = {"in": per_group * group, "out": out, "kernel": [kh, kw],
+                 "stride": list(attr(node, "strides", [1, 1])),
+                 "padding": pads if padding is None else padding,
+                 "dilation": list(attr(node, "dilations", [1, 1])), "groups": group}
+        return _with_bias(OnnxRead(attrs, graph.data_inputs(node), node.outputs[0], params={"weight": weight},
+                                   param_sources={"weight": node.inputs[1]}), node, graph, out, image=True)
 
     def from_torch_module(self, module):
         if module.padding_mode != "zeros":
@@ -370,6 +398,32 @@ def _may_be_nonzero(value: torch.Tensor, *errors) -> torch.Tensor:
     return mask.to(value.dtype)
 
 
+def _columns_moved(weight: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """The (out, in) weight whose column order[j] is `weight`'s column j."""
+    require(weight.shape[1] == order.size, f"its matrix has {weight.shape[1]} rows, the flatten before it gives "
+            f"{order.size} features")
+    moved = np.empty_like(weight)
+    moved[:, order] = weight
+    return moved
+
+
+def _with_bias(read: OnnxRead, node, graph, channels: int, image: bool) -> OnnxRead:
+    """`read` with its bias: the node's third input, else a following Add of one constant per output channel
+    (absorbed), else none."""
+    bias_name = node.inputs[2] if node.op_type == "Conv" and len(node.inputs) > 2 else ""
+    bias = graph.constant(bias_name)
+    if bias is None:
+        after = graph.only_reader(node.outputs[0])
+        bias = bias_of(after, graph, channels, image)
+        if bias is not None:
+            read.absorbed, read.output = [after], after.outputs[0]
+            bias_name = next(t for t in after.inputs if graph.constant(t) is not None)
+    read.attrs["bias"] = bias is not None
+    if bias is not None:
+        read.params["bias"], read.param_sources["bias"] = bias.reshape(-1), bias_name
+    return read
+
+
 def _bias_checked(attrs):
     if not isinstance(attrs["bias"], bool):
         raise OpSpecError(f"'bias' is {attrs['bias']!r}: expected true or false")
@@ -553,6 +607,32 @@ class Linear(Op):
 
     def from_torch_module(self, module):
         return {"in": module.in_features, "out": module.out_features, "bias": module.bias is not None}
+
+    onnx_ops = ("Gemm", "MatMul")
+
+    def from_onnx_node(self, node, graph):
+        """ONNX Gemm (B is (out, in) with transB = 1, PyTorch's; (in, out) with transB = 0) or MatMul by a constant
+        (in, out) matrix (TensorFlow's and JAX's dense kernel) then an Add of the bias; the weight is stored OI."""
+        matrix = graph.constant(node.inputs[1])
+        require(matrix is not None and matrix.ndim == 2, "its second operand is not a constant matrix (a dense layer "
+                "with weights as an initializer)")
+        transposed = node.op_type == "Gemm" and int(attr(node, "transB", 0)) == 1
+        require(not int(attr(node, "transA", 0)) and float(attr(node, "alpha", 1.0)) == 1.0
+                and float(attr(node, "beta", 1.0)) == 1.0, "transA, alpha or beta other than Gemm's defaults")
+        weight = matrix if transposed else matrix.T
+        order = graph.feature_order(node.inputs[0])
+        if order is not None:  # features flattened (H, W, C): each weight column goes where the spec's flatten puts it
+            weight = _columns_moved(weight, order)
+        read = OnnxRead({"in": weight.shape[1], "out": weight.shape[0]}, graph.data_inputs(node), node.outputs[0],
+                        params={"weight": np.ascontiguousarray(weight)}, param_sources={"weight": node.inputs[1]})
+        bias_name = node.inputs[2] if node.op_type == "Gemm" and len(node.inputs) > 2 else ""
+        bias = graph.constant(bias_name)
+        if bias is None:
+            return _with_bias(read, node, graph, weight.shape[0], image=False)
+        require(bias.size == weight.shape[0], f"its bias C has shape {list(bias.shape)}, not one value per output")
+        read.attrs["bias"] = True
+        read.params["bias"], read.param_sources["bias"] = bias.reshape(-1), bias_name
+        return read
 
     def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
         abs_sum = self.forward(attrs, [xs[0].abs()], abs_params(params), kernels)

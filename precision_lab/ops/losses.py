@@ -42,6 +42,10 @@ class MSE:
     def check_output(self, shape, where: str) -> None:
         return None
 
+    def takes_onnx_output(self, node, shape: tuple, opset: int) -> bool:
+        """Whether an exported graph's last node is part of this loss, not of the network (mse: never)."""
+        return False
+
     def target_shape(self, out_shape: tuple) -> tuple:
         return tuple(out_shape)
 
@@ -126,6 +130,17 @@ class CrossEntropy:
 
     def torch_loss(self, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(y, t)
+
+    def takes_onnx_output(self, node, shape: tuple, opset: int) -> bool:
+        """A final Softmax or LogSoftmax over the classes (a Keras classifier's last activation): the loss applies
+        it to the logits, −log softmax(z)ₜ being the cross-entropy of the probabilities, so the network ends before it."""
+        if node.op_type not in ("Softmax", "LogSoftmax"):
+            return False
+        # before opset 13 the axis flattens every later one with it: over the classes only for (N, K)
+        axis = node.attrs.get("axis", -1 if opset >= 13 else 1) % (len(shape) + 1)
+        if axis != 1 or (opset < 13 and len(shape) != 1):
+            raise OpSpecError(f"{node.op_type} over axis {node.attrs.get('axis')} is not over the classes (axis 1)")
+        return True
 
     def check_output(self, shape, where: str) -> None:
         if len(shape) not in (1, 3):

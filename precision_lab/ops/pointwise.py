@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from . import (BoundContext, Field, GradField, Op, OpSpecError, OtherAttributes, PortSlip, Rule, register,
                sparse_enough)
+from .onnx_reading import OnnxRead, attr, followed_by, multiplies_by_itself, require, scalar, unary
 from .. import formats
 
 #: z is read as its float32 rounding, |fl(z) − z| ≤ u₃₂·|z| (Higham 2002, Thm 2.2); 1 + 2u₃₂ covers that
@@ -29,6 +31,11 @@ STORED_WIDENING = 1.0 + 2.0 * formats.UNIT_ROUNDOFF["float32"]
 
 #: evaluation error of a float32 activation, in units of u, on |f| + |z·f'| + 1 (module docstring)
 FUNCTION_ERROR_UNITS = 8.0
+
+
+def _near(value: float | None, target: float) -> bool:
+    """A decomposition's constant is `target` as exported: equal once both are rounded to float32."""
+    return value is not None and np.float32(value) == np.float32(target)
 
 
 def _has(t) -> bool:
@@ -84,6 +91,7 @@ class ReLU(Op):
 
     torch_modules = (torch.nn.ReLU,)
     torch_calls = (torch.relu, F.relu, "relu")
+    onnx_ops = ("Relu",)
 
     def port_slips(self, attrs, in_shape):
         return [PortSlip("mask", "backward: mask missing", lambda: UnmaskedReLU(self), every=self.mask_groups),
@@ -171,6 +179,10 @@ class LeakyReLU(ReLU):
 
     torch_modules = (torch.nn.LeakyReLU,)
     torch_calls = (F.leaky_relu,)
+    onnx_ops = ("LeakyRelu",)
+
+    def from_onnx_node(self, node, graph):
+        return unary(node, graph, {"slope": attr(node, "alpha", 0.01)})  # ONNX's default alpha is PyTorch's 0.01
 
     def from_torch_module(self, module):
         return {"slope": float(module.negative_slope)}
@@ -315,6 +327,7 @@ class Tanh(Smooth):
 
     torch_modules = (torch.nn.Tanh,)
     torch_calls = (torch.tanh, F.tanh, "tanh")
+    onnx_ops = ("Tanh",)
 
     def torch_forward(self, attrs, xs, module):
         return torch.tanh(xs[0])
@@ -333,6 +346,7 @@ class Sigmoid(Smooth):
 
     torch_modules = (torch.nn.Sigmoid,)
     torch_calls = (torch.sigmoid, F.sigmoid, "sigmoid")
+    onnx_ops = ("Sigmoid",)
 
     def torch_forward(self, attrs, xs, module):
         return torch.sigmoid(xs[0])
@@ -353,6 +367,24 @@ class GELU(Smooth):
 
     torch_modules = (torch.nn.GELU,)
     torch_calls = (F.gelu,)
+    onnx_ops = ("Gelu", "Div")
+
+    def from_onnx_node(self, node, graph):
+        """ONNX Gelu (opset 20), or its erf decomposition as exporters write it before: x·(1 + erf(x/√2))·0.5 as
+        Div(x, √2), Erf, Add 1, Mul by x, Mul by 0.5 (the constants compared at float32, as exported)."""
+        if node.op_type == "Gelu":
+            return unary(node, graph, {"approximate": attr(node, "approximate", "none")})
+        x = graph.data_inputs(node)
+        if len(x) != 1 or node.inputs[0] != x[0] or not _near(scalar(graph, node), math.sqrt(2)):
+            return None
+        erf = followed_by(node, graph, "Erf")
+        plus = erf and followed_by(erf, graph, "Add")
+        times = plus and followed_by(plus, graph, "Mul")
+        half = times and followed_by(times, graph, "Mul")
+        if not (half and _near(scalar(graph, plus), 1.0) and multiplies_by_itself(times, graph, x[0], plus.outputs[0])
+                and _near(scalar(graph, half), 0.5)):
+            return None
+        return OnnxRead({}, x, half.outputs[0], absorbed=[erf, plus, times, half])
 
     def from_torch_module(self, module):
         return {"approximate": module.approximate}
@@ -398,6 +430,16 @@ class SiLU(Smooth):
 
     torch_modules = (torch.nn.SiLU,)
     torch_calls = (F.silu,)
+    onnx_ops = ("Sigmoid",)
+
+    def from_onnx_node(self, node, graph):
+        """x·σ(x) as exporters write SiLU: Sigmoid then Mul by its own input (a Sigmoid read by anything else is
+        sigmoid's)."""
+        x = graph.data_inputs(node)
+        times = graph.only_reader(node.outputs[0])
+        if len(x) != 1 or not multiplies_by_itself(times, graph, x[0], node.outputs[0]):
+            return None
+        return OnnxRead({}, x, times.outputs[0], absorbed=[times])
 
     def torch_forward(self, attrs, xs, module):
         return F.silu(xs[0])
@@ -416,6 +458,10 @@ class ELU(Smooth):
 
     torch_modules = (torch.nn.ELU,)
     torch_calls = (F.elu,)
+    onnx_ops = ("Elu",)
+
+    def from_onnx_node(self, node, graph):
+        return unary(node, graph, {"alpha": attr(node, "alpha", 1.0)})
 
     def check(self, attrs):
         alpha = attrs["alpha"]
@@ -453,6 +499,8 @@ class Softplus(Smooth):
 
     torch_modules = (torch.nn.Softplus,)
     torch_calls = (F.softplus,)
+    # ONNX Softplus is log(1 + eˣ) without PyTorch's threshold 20, above which both equal x in float32
+    onnx_ops = ("Softplus",)
 
     def from_torch_module(self, module):
         if module.beta != 1 or module.threshold != 20:
@@ -477,6 +525,18 @@ class Mish(Smooth):
 
     torch_modules = (torch.nn.Mish,)
     torch_calls = (F.mish,)
+    onnx_ops = ("Mish", "Softplus")
+
+    def from_onnx_node(self, node, graph):
+        """ONNX Mish (opset 18), or x·tanh(softplus(x)) as exporters write it before: Softplus, Tanh, Mul by x."""
+        if node.op_type == "Mish":
+            return unary(node, graph)
+        x = graph.data_inputs(node)
+        tanh = followed_by(node, graph, "Tanh")
+        times = tanh and graph.only_reader(tanh.outputs[0])
+        if len(x) != 1 or not (tanh and multiplies_by_itself(times, graph, x[0], tanh.outputs[0])):
+            return None
+        return OnnxRead({}, x, times.outputs[0], absorbed=[tanh, times])
 
     def torch_forward(self, attrs, xs, module):
         return F.mish(xs[0])
@@ -498,6 +558,18 @@ class Dropout(Op):
 
     torch_modules = (torch.nn.Dropout,)
     torch_calls = (F.dropout,)
+    onnx_ops = ("Dropout", "Identity")
+
+    def from_onnx_node(self, node, graph):
+        """ONNX Dropout (its ratio an attribute before opset 12, an input since) at inference; Identity is no layer."""
+        if node.op_type == "Identity":
+            return OnnxRead({}, graph.data_inputs(node), node.outputs[0], alias=True)
+        training = graph.constant(node.inputs[2]) if len(node.inputs) > 2 else None
+        require(training is None or not bool(training.reshape(())), "training_mode true: a random mask; the spec's "
+                "dropout is the identity of inference")
+        ratio = graph.constant(node.inputs[1]) if len(node.inputs) > 1 else None
+        p = float(ratio.reshape(())) if ratio is not None else attr(node, "ratio", 0.5)
+        return OnnxRead({"p": float(str(np.float32(p)))}, graph.data_inputs(node)[:1], node.outputs[0])
 
     def check(self, attrs):
         p = attrs["p"]

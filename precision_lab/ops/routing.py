@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from . import (REQUIRED, BackwardReplaced, Field, GradField, Op, OpSpecError, PortSlip, Rule, as_pair, dropping_slips,
                gamma_over_lambda, gather_radius, register, spread)
+from .onnx_reading import (OnnxRead, attr, flattens_each_sample, nearest_scale, pool_window, require, unary,
+                           zero_pads)
 
 
 def _has(t) -> bool:
@@ -75,6 +77,9 @@ class Pool(Op):
         kernel = kwargs.get("kernel_size", args[1] if len(args) > 1 else None)
         stride = kwargs.get("stride", args[2] if len(args) > 2 else None)
         return {"kernel": _listed(kernel)} | ({"stride": _listed(stride)} if stride is not None else {})
+
+    def from_onnx_node(self, node, graph):
+        return unary(node, graph, pool_window(node))
 
     def check(self, attrs):
         attrs["kernel"] = as_pair(attrs["kernel"], "kernel", 1)
@@ -136,6 +141,7 @@ class MaxPool2d(Pool):
 
     torch_modules = (torch.nn.MaxPool2d,)
     torch_calls = (F.max_pool2d,)
+    onnx_ops = ("MaxPool",)
 
     def torch_forward(self, attrs, xs, module):
         return F.max_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"])
@@ -188,6 +194,13 @@ class AvgPool2d(Pool):
 
     torch_modules = (torch.nn.AvgPool2d,)
     torch_calls = (F.avg_pool2d,)
+    onnx_ops = ("AveragePool",)
+
+    def from_onnx_node(self, node, graph):
+        attrs = pool_window(node)
+        if any(attrs["padding"]):  # ONNX's default excludes the padding (0), PyTorch's includes it
+            attrs["count_include_pad"] = bool(int(attr(node, "count_include_pad", 0)))
+        return unary(node, graph, attrs)
 
     def from_torch_module(self, module):
         attrs = super().from_torch_module(module)
@@ -249,6 +262,10 @@ class UpsampleNearest(Op):
 
     torch_modules = (torch.nn.Upsample,)
     torch_calls = (F.interpolate,)
+    onnx_ops = ("Resize", "Upsample")
+
+    def from_onnx_node(self, node, graph):
+        return OnnxRead({"scale": nearest_scale(node, graph)}, graph.data_inputs(node)[:1], node.outputs[0])
 
     def call_inputs(self, tensors, args):
         return tensors[:1]
@@ -331,6 +348,13 @@ class Add(Op):
     verb = "adds"  # in messages about its inputs' shapes
 
     torch_calls = (operator.add, torch.add)
+    onnx_ops = ("Add",)
+
+    def from_onnx_node(self, node, graph):
+        data = graph.data_inputs(node)
+        require(len(data) == len(node.inputs) == 2, f"{node.op_type} with a constant: the spec's {self.name} "
+                f"combines two computed tensors (a bias belongs to the convolution or dense layer before it)")
+        return OnnxRead({}, data, node.outputs[0])
 
     def call_inputs(self, tensors, args):
         return tensors
@@ -377,6 +401,14 @@ class Concat(Op):
     combines = True
 
     torch_calls = (torch.cat,)
+    onnx_ops = ("Concat",)
+
+    def from_onnx_node(self, node, graph):
+        data = graph.data_inputs(node)
+        require(int(attr(node, "axis", 1)) in (1, -3), f"axis {attr(node, 'axis')}: only channels (axis 1) are joined")
+        require(len(data) == len(node.inputs) == 2, f"{len(node.inputs)} inputs: the spec's concat joins two "
+                f"computed tensors")
+        return OnnxRead({}, data, node.outputs[0])
 
     def from_torch_call(self, target, args, kwargs):
         dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
@@ -438,6 +470,33 @@ class Flatten(Op):
 
     torch_modules = (torch.nn.Flatten,)
     torch_calls = (torch.flatten, "flatten")
+    onnx_ops = ("Flatten", "Reshape", "Transpose", "Squeeze")
+
+    def from_onnx_node(self, node, graph):
+        """Flatten, a Reshape to [batch, −1], or TensorFlow's flatten of NHWC: Transpose to (N, H, W, C), then one of
+        those; its features are then in (H, W, C) order, which the dense layer reading them permutes back."""
+        if node.op_type == "Squeeze":  # a global pool's (C, 1, 1) to (C,): axes an attribute before opset 13
+            axes = graph.constant(node.inputs[1]) if len(node.inputs) > 1 else attr(node, "axes")
+            x = graph.data_inputs(node)
+            require(len(x) == 1 and axes is not None and sorted(int(a) % 4 for a in np.asarray(axes).reshape(-1))
+                    == [2, 3] and tuple(graph.shape(x[0])[1:]) == (1, 1), "a Squeeze other than of a 1×1 image's "
+                    "height and width")
+            return OnnxRead({}, x, node.outputs[0])
+        if node.op_type != "Transpose":
+            flattens_each_sample(node, graph)
+            return OnnxRead({}, graph.data_inputs(node), node.outputs[0])
+        flat = graph.only_reader(node.outputs[0])
+        x = graph.data_inputs(node)
+        require(list(attr(node, "perm", [])) == [0, 2, 3, 1] and flat is not None and flat.op_type != "Transpose"
+                and len(x) == 1, "a Transpose other than NCHW → NHWC before a flatten (the lab's activations are "
+                "NCHW; tf2onnx: --inputs-as-nchw)")
+        require(flat.op_type in self.onnx_ops, f"a Transpose to NHWC read by {flat.op_type}, not by a flatten")
+        flattens_each_sample(flat, graph, image=len(graph.shape(x[0])) == 3)
+        c, h, w = graph.shape(x[0])
+        require(h is not None and w is not None, "a flatten in (H, W, C) order needs the graph's input height and "
+                "width fixed (export with a static input shape)")
+        order = np.arange(c * h * w).reshape(c, h, w).transpose(1, 2, 0).reshape(-1)
+        return OnnxRead({}, x, flat.outputs[0], absorbed=[flat], feature_order=order)
 
     def call_inputs(self, tensors, args):
         return tensors[:1]
@@ -504,6 +563,10 @@ class ZeroPad2d(Op):
     keys = {"padding": REQUIRED, "multiple": 1}
 
     torch_modules = (torch.nn.ZeroPad2d,)
+    onnx_ops = ("Pad",)
+
+    def from_onnx_node(self, node, graph):
+        return OnnxRead({"padding": zero_pads(node, graph)}, graph.data_inputs(node)[:1], node.outputs[0])
 
     def from_torch_module(self, module):
         left, right, top, bottom = module.padding
@@ -574,6 +637,19 @@ class GlobalAvgPool2d(Op):
     name = "global_avg_pool2d"
     torch_modules = (torch.nn.AdaptiveAvgPool2d,)
     torch_calls = (F.adaptive_avg_pool2d,)
+    onnx_ops = ("GlobalAveragePool", "ReduceMean")
+
+    def from_onnx_node(self, node, graph):
+        """GlobalAveragePool, or ReduceMean over height and width keeping them (a Keras GlobalAveragePooling2D)."""
+        if node.op_type != "ReduceMean":
+            return unary(node, graph)
+        axes = graph.constant(node.inputs[1]) if len(node.inputs) > 1 else attr(node, "axes")
+        require(axes is not None and sorted(int(a) % 4 for a in np.asarray(axes).reshape(-1)) == [2, 3],
+                "ReduceMean other than over height and width")
+        read = unary(node, graph)
+        if not int(attr(node, "keepdims", 1)):  # (N, C) as tf2onnx writes GlobalAveragePooling2D: the pool, flattened
+            read.then = [{"op": Flatten.name}]
+        return read
 
     def from_torch_module(self, module):
         return self._one(module.output_size)
