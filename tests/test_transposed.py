@@ -288,3 +288,31 @@ def test_operand_rounding_applies_to_each_pass_under_the_transposed_convolutions
         for name, (want, got) in expected.items():
             exact = name in passes
             assert (float((want - got).abs().max()) == 0.0) == exact, (passes, name)
+
+
+def test_pytorchs_onnx_export_of_the_autoencoder_reads_as_from_module_and_computes_as_it(tmp_path):
+    pytest.importorskip("onnx")
+    import io
+    import warnings
+
+    from precision_lab.modules import SpecModule
+    from precision_lab.onnx_import import read_onnx
+
+    torch.manual_seed(0)
+    module = Autoencoder().eval()
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():  # the TorchScript exporter's deprecation notice: it needs no onnxscript
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(module, torch.randn(1, 1, 16, 16), buffer, dynamo=False, opset_version=17,
+                          input_names=["x"], dynamic_axes={"x": {0: "N", 2: "H", 3: "W"}})
+    path = tmp_path / "autoencoder.onnx"
+    path.write_bytes(buffer.getvalue())
+    imported, params = read_onnx(path, loss="mse")
+    converted = from_module(module, input_channels=1)
+    assert [(layer.op, layer.attrs) for layer in imported.layers] == [(layer.op, layer.attrs) for layer in converted.layers]
+    assert imported.param_shapes == converted.param_shapes
+    lab = SpecModule(imported, dtype=torch.float64)
+    lab.load_state_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in params.items()})
+    x = torch.randn(2, 1, 16, 16, dtype=torch.float64)
+    expected = module.double()(x)
+    assert (lab(x) - expected).abs().max() <= 1e-12 * expected.abs().max()

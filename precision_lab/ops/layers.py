@@ -410,7 +410,7 @@ def _columns_moved(weight: np.ndarray, order: np.ndarray) -> np.ndarray:
 def _with_bias(read: OnnxRead, node, graph, channels: int, image: bool) -> OnnxRead:
     """`read` with its bias: the node's third input, else a following Add of one constant per output channel
     (absorbed), else none."""
-    bias_name = node.inputs[2] if node.op_type == "Conv" and len(node.inputs) > 2 else ""
+    bias_name = node.inputs[2] if node.op_type in ("Conv", "ConvTranspose") and len(node.inputs) > 2 else ""
     bias = graph.constant(bias_name)
     if bias is None:
         after = graph.only_reader(node.outputs[0])

@@ -22,7 +22,8 @@ from . import abs_params, gamma_over_lambda, is_seed_conv, positive_int, registe
 from .. import roundoff
 from ..conv.winograd_bound import winograd_scale
 from .layers import Conv2d, TrueConvolution, _bias_checked, _bias_parts, _conv_weight_drift, _order_only_backward_scales
-from .layers import _order_only_forward_scale
+from .layers import _order_only_forward_scale, _with_bias
+from .onnx_reading import OnnxRead, attr, pads_tblr, require
 
 #: conv2d's rules, read with the roles swapped (never registered: conv2d's own instance is the registry's)
 _CONV = Conv2d()
@@ -51,6 +52,7 @@ class ConvTranspose2d(Op):
 
     torch_modules = (torch.nn.ConvTranspose2d,)
     torch_calls = (F.conv_transpose2d,)
+    onnx_ops = ("ConvTranspose",)
 
     def check(self, attrs):
         attrs["in"], attrs["out"] = positive_int(attrs["in"], "in"), positive_int(attrs["out"], "out")
@@ -117,6 +119,27 @@ class ConvTranspose2d(Op):
                  "groups": module.groups, "bias": module.bias is not None}
         self.normalise(dict(attrs))  # its refusals (output_padding ≥ stride) said here, with the module's name
         return attrs
+
+    def from_onnx_node(self, node, graph):
+        """ONNX ConvTranspose: its weight (in, out/group, kH, kW) is PyTorch's; explicit pads only (an exporter's
+        output_shape or auto_pad leave the crop to be inferred: export with explicit pads)."""
+        weight = graph.constant(node.inputs[1])
+        require(weight is not None and weight.ndim == 4, "its weight is not a constant 4-D tensor (a 2-D transposed "
+                "convolution with weights as an initializer)")
+        channels_in, per_group, kh, kw = weight.shape
+        require(list(attr(node, "kernel_shape", [kh, kw])) == [kh, kw], "kernel_shape differs from its weight's")
+        require(attr(node, "auto_pad", "NOTSET") == "NOTSET" and attr(node, "output_shape", None) is None,
+                "auto_pad or output_shape instead of explicit pads: export with pads and output_padding")
+        pads = pads_tblr(attr(node, "pads", [0, 0, 0, 0]))
+        require(pads[0] == pads[1] and pads[2] == pads[3], f"pads {pads} differ between the sides of an axis")
+        group = int(attr(node, "group", 1))
+        attrs = {"in": channels_in, "out": per_group * group, "kernel": [kh, kw],
+                 "stride": list(attr(node, "strides", [1, 1])), "padding": [pads[0], pads[2]],
+                 "output_padding": list(attr(node, "output_padding", [0, 0])),
+                 "dilation": list(attr(node, "dilations", [1, 1])), "groups": group}
+        self.normalise({**attrs, "bias": False})  # its refusals (output_padding ≥ stride) in its own words
+        return _with_bias(OnnxRead(attrs, graph.data_inputs(node), node.outputs[0], params={"weight": weight},
+                                   param_sources={"weight": node.inputs[1]}), node, graph, attrs["out"], image=True)
 
     def from_torch_call(self, target, args, kwargs):
         # the functional form's weight is a tensor of the caller's, not a named parameter the spec can hold
