@@ -251,5 +251,7 @@ HYPOTHESES = (
     Family("a routing op's backward (upsample, add, concat)", True, _port_slips("routing")),
     Family("another framework's default (GELU's formula, a leaky slope)", True, _port_slips("default")),
     Family("a kernel's orientation (a true convolution)", True, _port_slips("kernel orientation")),
+    Family("a normalisation's statistics (constants in the backward, the unbiased variance, ε outside the root, "
+           "running statistics)", True, _port_slips("statistics")),
     Family("stale weights", True, _stale_weights),
 )
