@@ -1,4 +1,4 @@
-"""Normalisation ops: batch_norm2d in training and evaluation mode, read from PyTorch modules, walked as autograd
+"""Normalisation ops: batch_norm2d in training and evaluation mode and group_norm, read from PyTorch modules, walked as autograd
 does, and judged: PyTorch's own float32 run and every legitimate float32 form of the statistics (two-pass, Welford,
 the one-pass E[x²] − μ²) are roundoff; a port's slip of the statistics is a defect with its cause named."""
 import numpy as np
@@ -84,29 +84,36 @@ def test_pytorchs_own_float32_run_with_batch_norm_is_rounding(mode):
 
 
 class StatisticsForm(Rule):
-    """A float32 batch norm whose statistics are computed in another legitimate form (backward unchanged)."""
+    """A float32 normalisation whose statistics are computed in another legitimate form (backward unchanged)."""
 
-    def __init__(self, form: str):
-        self.op, self.form = OPS["batch_norm2d"], form
+    def __init__(self, form: str, op: str = "batch_norm2d"):
+        self.op, self.form = OPS[op], form
 
-    def _statistics(self, x):
+    def _statistics(self, x, attrs=None):
+        attrs = attrs or {"training": True}
         if self.form == "two-pass":
-            return self.op.statistics({"training": True}, x)
-        columns = x.transpose(0, 1).reshape(x.shape[1], -1)  # (C, m)
+            return self.op.statistics(attrs, x)
+        viewed = self.op.view(attrs, x)
+        dims = self.op.stat_dims
+        kept = [d for d in range(viewed.dim()) if d not in dims]
+        group_shape = tuple(1 if d in dims else n for d, n in enumerate(viewed.shape))
+        columns = viewed.permute(*kept, *dims).reshape(-1, self.op.group_size(attrs, x))  # (groups, m)
         if self.form == "one-pass":  # E[x²] − μ², cuDNN's and others' single sweep
             mu = columns.mean(dim=1)
-            return mu.view(1, -1, 1, 1), ((columns * columns).mean(dim=1) - mu * mu).view(1, -1, 1, 1)
-        mu, m2 = torch.zeros_like(columns[:, 0]), torch.zeros_like(columns[:, 0])  # Welford's update, term by term
-        for k in range(columns.shape[1]):
-            delta = columns[:, k] - mu
-            mu = mu + delta / (k + 1)
-            m2 = m2 + delta * (columns[:, k] - mu)
-        return mu.view(1, -1, 1, 1), (m2 / columns.shape[1]).view(1, -1, 1, 1)
+            var = (columns * columns).mean(dim=1) - mu * mu
+        else:  # Welford's update, term by term
+            mu, m2 = torch.zeros_like(columns[:, 0]), torch.zeros_like(columns[:, 0])
+            for k in range(columns.shape[1]):
+                delta = columns[:, k] - mu
+                mu = mu + delta / (k + 1)
+                m2 = m2 + delta * (columns[:, k] - mu)
+            var = m2 / columns.shape[1]
+        return mu.reshape(group_shape), var.reshape(group_shape)
 
     def forward(self, attrs, xs, params, kernels):
-        mu, var = self._statistics(xs[0])
-        xhat = (xs[0] - mu) * torch.rsqrt(var + attrs["eps"])
-        return xhat * params["weight"].view(1, -1, 1, 1) + params["bias"].view(1, -1, 1, 1)
+        mu, var = self._statistics(xs[0], attrs)
+        xhat = ((self.op.view(attrs, xs[0]) - mu) * torch.rsqrt(var + attrs["eps"])).reshape(xs[0].shape)
+        return self.op.scaled(attrs, xhat, params)
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
         return self.op.backward(attrs, g, xs, y, params, kernels, need)
@@ -171,3 +178,107 @@ def test_an_evaluation_mode_batch_norm_with_epsilon_outside_the_root_is_named():
     judgement = judge(candidate, reference(problem))
     assert judgement.verdict == "defect"
     assert judgement.cause is not None and "ε outside the square root" in judgement.cause, judgement.to_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# the example network, and the examples' PyTorch candidate with and without its planted slip
+
+
+def test_the_dncnn_bn_example_walks_as_autograd_and_its_pytorch_run_is_rounding():
+    from precision_lab.model import load_model
+    from precision_lab.paths import ROOT
+
+    network = load_model(ROOT / "examples" / "models" / "dncnn-bn.json")
+    assert [layer.op for layer in network.layers].count("batch_norm2d") == 2
+    for seed in (0, 1):
+        problem = make_problem(24, 2, seed, network=network)
+        walked, autograd = forward_backward(problem, "float64"), autograd_forward_backward(problem, "float64")
+        for parameter, expected in autograd.grads.items():
+            assert np.abs(walked.grads[parameter] - expected).max() <= 1e-11 * np.abs(expected).max(), parameter
+        judgement = judge(autograd_forward_backward(problem, "float32"), reference(problem))
+        assert judgement.verdict == "roundoff", judgement.to_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("yaml_name, verdict_, cause", [
+    ("dncnn-bn.yaml", "roundoff", None),
+    ("dncnn-bn-statistics-slip.yaml", "defect", "backward treats the batch statistics as constants")])
+def test_the_dncnn_bn_candidates_are_judged_with_their_cause(capsys, tmp_path, yaml_name, verdict_, cause):
+    import json
+
+    from precision_lab import cli
+    from precision_lab.paths import ROOT
+
+    out_json = tmp_path / "verdict.json"
+    code = cli.main(["diagnose", "--candidate", str(ROOT / "examples" / "models" / yaml_name), "--size", "16x16",
+                     "--batch", "2", "--probes", "none", "--json", str(out_json)])
+    capsys.readouterr()
+    verdict = json.loads(out_json.read_text())
+    assert code == (0 if cause is None else 1) and verdict["verdict"] == verdict_, verdict["evidence"]
+    if cause is not None:
+        assert cause in (verdict["cause"] or ""), verdict["cause"]
+
+
+# ---------------------------------------------------------------------------------------------
+# group_norm
+
+
+class GroupNormGELU(nn.Module):
+    """conv–GroupNorm–GELU twice, then a conv: a GroupNorm network as diffusion U-Nets build their blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.gn1 = nn.Conv2d(1, 8, 3, padding=1), nn.GroupNorm(2, 8)
+        self.body, self.gn2 = nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(4, 8)
+        self.head = nn.Conv2d(8, 1, 3, padding=1)
+
+    def forward(self, x):
+        return self.head(F.gelu(self.gn2(self.body(F.gelu(self.gn1(self.stem(x)))))))
+
+
+def _gn_network():
+    torch.manual_seed(0)
+    return from_module(GroupNormGELU(), name="gn-gelu")
+
+
+def test_group_norm_converts_and_walks_as_autograd():
+    network = _gn_network()
+    assert [layer.op for layer in network.layers] == ["conv2d", "group_norm", "gelu", "conv2d", "group_norm", "gelu",
+                                                      "conv2d"]
+    assert network.layers[4].attrs == {"groups": 4, "channels": 8, "eps": 1e-5, "affine": True}
+    problem = make_problem(16, 2, 0, network=network)
+    walked, autograd = forward_backward(problem, "float64"), autograd_forward_backward(problem, "float64")
+    assert abs(walked.loss - autograd.loss) <= 1e-12 * abs(autograd.loss)
+    for parameter, expected in autograd.grads.items():
+        assert np.abs(walked.grads[parameter] - expected).max() <= 1e-11 * np.abs(expected).max(), parameter
+
+
+@pytest.mark.parametrize("spec", [None, "gn-gelu.json"])
+def test_pytorchs_own_float32_run_with_group_norm_is_rounding(spec):
+    from precision_lab.model import load_model
+    from precision_lab.paths import ROOT
+
+    network = _gn_network() if spec is None else load_model(ROOT / "examples" / "models" / spec)
+    for seed in (0, 1):
+        problem = make_problem(24, 2, seed, network=network)
+        judgement = judge(autograd_forward_backward(problem, "float32"), reference(problem))
+        assert judgement.verdict == "roundoff", judgement.to_text()
+
+
+@pytest.mark.parametrize("form", ["one-pass", "welford"])
+def test_group_norms_legitimate_float32_statistics_are_rounding(form):
+    network = _gn_network()
+    problem = make_problem(24, 2, 0, network=network)
+    rules = {i: StatisticsForm(form, "group_norm") for i, layer in enumerate(network.layers) if layer.op == "group_norm"}
+    judgement = judge(forward_backward(problem, "float32", rules=rules), reference(problem))
+    assert judgement.verdict == "roundoff", judgement.to_text()
+
+
+@pytest.mark.parametrize("which, says", [(0, "over one group (a layer norm"), (1, "each channel on its own")])
+def test_a_group_norm_with_the_wrong_group_count_is_named(which, says):
+    network = _gn_network()
+    problem = make_problem(24, 2, 0, network=network)
+    slip = OPS["group_norm"].port_slips(network.layers[1].attrs, (8, 24, 24))[which]
+    judgement = judge(forward_backward(problem, "float32", rules={1: slip.rule()}), reference(problem))
+    assert judgement.verdict == "defect"
+    assert judgement.cause is not None and says in judgement.cause and "gn1" in judgement.cause, judgement.to_text()

@@ -499,7 +499,7 @@ def n_spatial(shape) -> int:
 
 from . import layers, losses, pointwise, routing  # noqa: E402,F401 - each registers its ops
 from . import arithmetic  # noqa: E402,F401 - registered after routing: its ops build on add
-from . import normalisation  # noqa: E402,F401 - registers batch_norm2d
+from . import normalisation  # noqa: E402,F401 - registers batch_norm2d, group_norm
 
 __all__ = ["BackwardReplaced", "BoundContext", "Field", "GradField", "Kernels", "LOSSES", "OPS", "Op", "OpSpecError",
            "OtherAttributes", "Parts", "PortSlip", "REQUIRED", "Rule", "SEED_CONV", "SPARSE_LIMIT", "SharedDraw", "has_values", "is_seed_conv", "register", "register_loss",

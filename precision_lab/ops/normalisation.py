@@ -1,7 +1,8 @@
-"""Normalisation: batch_norm2d (training and evaluation mode).
+"""Normalisation: batch_norm2d (training and evaluation mode) and group_norm.
 
 y = γ·x̂ + β, x̂ = (x − μ)·r, r = 1/√(v + ε), with μ and the biased variance v of each statistics group (a channel
-over the batch's N·H·W pixels in training mode; the running statistics, constants of the spec, in evaluation mode).
+over the batch's N·H·W pixels in training mode; the running statistics, constants of the spec, in evaluation mode;
+a group of C/G channels of one sample for group_norm).
 Training-mode backward: dx = r·(h − mean(h) − x̂·mean(h·x̂)) with h = γ·g; dγ = Σ g·x̂, dβ = Σ g.
 
 The rounding bound (Higham 2002 §2.2: one rounding per operation, |δ| ≤ u; Higham & Mary 2019: a sum of m terms
@@ -43,8 +44,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import (REQUIRED, Field, GradField, Op, OpSpecError, Parts, PortSlip, Rule, SharedDraw, coupled_terms,  # noqa: F401
-               gamma_over_lambda, register)
+from . import (REQUIRED, Field, GradField, Op, OpSpecError, OtherAttributes, Parts, PortSlip, Rule, SharedDraw,
+               coupled_terms, gamma_over_lambda, register)
 from .. import roundoff
 
 #: r̂'s own rounding in units of u: √ then ÷ (two roundings), or rsqrtf's 2 ulp ≤ 4u (CUDA's documented maximum)
@@ -86,6 +87,29 @@ class Normalisation(Op):
     stat_dims: tuple = ()
     #: axes of the (N, C, H, W) gradient the affine parameters' gradients sum over
     param_dims: tuple = (0, 2, 3)
+
+    def check(self, attrs):
+        if attrs["channels"] is not None:
+            attrs["channels"] = _positive(attrs["channels"], "channels")
+        attrs["affine"] = _flag(attrs["affine"], "affine")
+        attrs["eps"] = _number(attrs["eps"], "eps", positive=True)
+        if attrs["affine"] and attrs["channels"] is None:
+            raise OpSpecError(f"an affine {self.name} needs 'channels' (its weight and bias have one per channel)")
+        return attrs
+
+    def out_shape(self, attrs, in_shapes):
+        shape = in_shapes[0]
+        if len(shape) != 3:
+            raise OpSpecError(f"{self.name} needs an image (C, H, W) but receives {len(shape)}-D features")
+        if attrs["channels"] is not None and shape[0] != attrs["channels"]:
+            raise OpSpecError(f"receives {shape[0]} channels but declares 'channels': {attrs['channels']}")
+        return shape
+
+    def param_shapes(self, attrs):
+        return {"weight": (attrs["channels"],), "bias": (attrs["channels"],)} if attrs["affine"] else {}
+
+    def call_inputs(self, tensors, args):
+        return tensors[:1]
 
     # grouping -----------------------------------------------------------------------------------
     def view(self, attrs, t: torch.Tensor) -> torch.Tensor:
@@ -394,13 +418,8 @@ class BatchNorm2d(Normalisation):
     torch_calls = (F.batch_norm,)
 
     def check(self, attrs):
-        if attrs["channels"] is not None:
-            attrs["channels"] = _positive(attrs["channels"], "channels")
+        attrs = super().check(attrs)
         attrs["training"] = _flag(attrs["training"], "training")
-        attrs["affine"] = _flag(attrs["affine"], "affine")
-        attrs["eps"] = _number(attrs["eps"], "eps", positive=True)
-        if attrs["affine"] and attrs["channels"] is None:
-            raise OpSpecError("an affine batch_norm2d needs 'channels' (its weight and bias have one per channel)")
         for key, positive in (("running_mean", False), ("running_var", False)):
             value = attrs[key]
             if value is None:
@@ -411,17 +430,6 @@ class BatchNorm2d(Normalisation):
             if key == "running_var" and min(attrs[key]) < 0:
                 raise OpSpecError("'running_var' holds a negative variance")
         return attrs
-
-    def out_shape(self, attrs, in_shapes):
-        shape = in_shapes[0]
-        if len(shape) != 3:
-            raise OpSpecError(f"batch_norm2d needs an image (C, H, W) but receives {len(shape)}-D features")
-        if attrs["channels"] is not None and shape[0] != attrs["channels"]:
-            raise OpSpecError(f"receives {shape[0]} channels but declares 'channels': {attrs['channels']}")
-        return shape
-
-    def param_shapes(self, attrs):
-        return {"weight": (attrs["channels"],), "bias": (attrs["channels"],)} if attrs["affine"] else {}
 
     def describe(self, attrs):
         return f"batch_norm2d ({'training' if attrs['training'] else 'evaluation'})"
@@ -467,9 +475,6 @@ class BatchNorm2d(Normalisation):
             raise OpSpecError("F.batch_norm without running statistics needs training=True")
         return {"channels": None, "affine": False, "training": True, "eps": float(given.get("eps", 1e-5))}
 
-    def call_inputs(self, tensors, args):
-        return tensors[:1]
-
     def port_slips(self, attrs, in_shape):
         every = ("every batch norm",)
         slips = [PortSlip("statistics", "adds ε outside the square root (1/(σ + ε))",
@@ -484,6 +489,70 @@ class BatchNorm2d(Normalisation):
         return slips
 
 
+class GroupNorm(Normalisation):
+    """Group normalisation (PyTorch's nn.GroupNorm): each sample's channels in `groups` groups, the statistics of a
+    group over its C/G·H·W values, a per-channel affine. The statistics stay within a sample: its errors reach the
+    whole sample (radius None), never another sample."""
+
+    name = "group_norm"
+    keys = {"groups": REQUIRED, "channels": REQUIRED, "eps": 1e-5, "affine": True}
+    stat_dims = (2, 3, 4)
+
+    torch_modules = (torch.nn.GroupNorm,)
+    torch_calls = (F.group_norm,)
+
+    def check(self, attrs):
+        attrs = super().check(attrs)
+        attrs["groups"] = _positive(attrs["groups"], "groups")
+        if attrs["channels"] is not None and attrs["channels"] % attrs["groups"]:
+            raise OpSpecError(f"'groups' {attrs['groups']} must divide 'channels' {attrs['channels']}")
+        return attrs
+
+    def out_shape(self, attrs, in_shapes):
+        shape = super().out_shape(attrs, in_shapes)
+        if shape[0] % attrs["groups"]:
+            raise OpSpecError(f"'groups' {attrs['groups']} must divide the {shape[0]} channels it receives")
+        return shape
+
+    def describe(self, attrs):
+        return f"group_norm {attrs['groups']} groups"
+
+    def view(self, attrs, t):
+        n, c = t.shape[:2]
+        return t.reshape(n, attrs["groups"], c // attrs["groups"], *t.shape[2:])
+
+    def torch_module(self, attrs, device=None, dtype=None):
+        channels = attrs["channels"] or attrs["groups"]
+        return torch.nn.GroupNorm(attrs["groups"], channels, eps=attrs["eps"], affine=attrs["affine"], device=device,
+                                  dtype=dtype)
+
+    def torch_forward(self, attrs, xs, module):
+        return F.group_norm(xs[0], attrs["groups"], module.weight, module.bias, attrs["eps"])
+
+    def from_torch_module(self, module):
+        return {"groups": module.num_groups, "channels": module.num_channels, "eps": float(module.eps),
+                "affine": module.affine}
+
+    def from_torch_call(self, target, args, kwargs):
+        names = ("input", "num_groups", "weight", "bias", "eps")
+        given = dict(zip(names, args)) | kwargs
+        if given.get("weight") is not None or given.get("bias") is not None:
+            raise OpSpecError("F.group_norm with affine tensors: the spec cannot read them from a traced call; use "
+                              "nn.GroupNorm")
+        return {"groups": int(given["num_groups"]), "channels": None, "affine": False,
+                "eps": float(given.get("eps", 1e-5))}
+
+    def port_slips(self, attrs, in_shape):
+        channels = in_shape[0]
+        slips = []
+        for groups, text in ((1, "normalises over one group (a layer norm over C·H·W)"),
+                             (channels, "normalises each channel on its own (an instance norm)")):
+            if groups != attrs["groups"]:
+                slips.append(PortSlip("statistics", text, lambda groups=groups: OtherAttributes(self, {"groups": groups}),
+                                      forward=True, every=("every group norm",)))
+        return slips
+
+
 def _positive(value, key):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise OpSpecError(f"'{key}' is {value!r}: expected a positive integer")
@@ -491,3 +560,4 @@ def _positive(value, key):
 
 
 register(BatchNorm2d())
+register(GroupNorm())
