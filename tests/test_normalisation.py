@@ -282,3 +282,18 @@ def test_a_group_norm_with_the_wrong_group_count_is_named(which, says):
     judgement = judge(forward_backward(problem, "float32", rules={1: slip.rule()}), reference(problem))
     assert judgement.verdict == "defect"
     assert judgement.cause is not None and says in judgement.cause and "gn1" in judgement.cause, judgement.to_text()
+
+
+@pytest.mark.parametrize("name", ["train", "eval", "gn"])
+def test_every_zoo_verdict_is_right_on_a_normalised_network(name):
+    """Legitimate summation orders and algorithms around the normalisations are roundoff, the zoo's defects, layouts
+    and formats named; micro-batching is left out where training-mode batch statistics make each micro-batch
+    another function."""
+    from precision_lab.calibration import judge_zoo
+
+    network = _gn_network() if name == "gn" else _dncnn(name)
+    table = judge_zoo(make_problem(24, 2, 1, network=network), "cpu")
+    assert ("micro-batched" in set(table["candidate"])) == (name != "train")
+    assert len(table) >= 24
+    wrong = table[~table["correct"]]
+    assert wrong.empty, wrong[["candidate", "expected", "verdict", "detail", "worst_ratio"]].to_string()

@@ -202,6 +202,11 @@ class Op:
     def describe(self, attrs: dict) -> str:
         return self.name
 
+    def couples_batch(self, attrs: dict) -> bool:
+        """Whether one sample's output reads the other samples (a training-mode batch norm): a sub-batch then computes
+        another function, and errors shared across samples are marked `coupled` (Field)."""
+        return False
+
     # as PyTorch runs it (modules.SpecModule) -----------------------------------------------------
     def torch_module(self, attrs: dict, device=None, dtype=None):
         """The nn.Module holding a parametrised op's parameters (None: a functional op)."""

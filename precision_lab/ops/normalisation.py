@@ -130,10 +130,6 @@ class Normalisation(Op):
     def affine(self, attrs, p: torch.Tensor) -> torch.Tensor:
         return p.view(1, -1, 1, 1)
 
-    def batch_coupled(self, attrs) -> bool:
-        """Whether the statistics reach across the batch's samples (a training-mode batch norm)."""
-        return False
-
     def uses_batch_statistics(self, attrs) -> bool:
         return True
 
@@ -247,7 +243,7 @@ class Normalisation(Op):
         mu = self.each(attrs, st.mu, x)
         total = ((1 + 2 * u) * gam.abs() * e_xhat + FOLDED_ROUNDINGS * u * gam.abs() * r * (x.abs() + mu.abs())
                  + u * ((gam * xhat).abs() + beta.abs()) + u * y.double().abs())
-        coupled = self.batch_coupled(attrs) or bool((st.own_mu > 0).any() or (st.own_var > 0).any())
+        coupled = self.couples_batch(attrs) or bool((st.own_mu > 0).any() or (st.own_var > 0).any())
         radius = None if self.uses_batch_statistics(attrs) else ins[0].radius
         memo = {"statistics": st, "xhat": xhat, "e_xhat": e_xhat, "own_xhat": own_xhat}
         total = total.to(y.dtype)
@@ -300,7 +296,7 @@ class Normalisation(Op):
         flips = None if f_h is None else (1 + rho) * r * f_h
         radius = None if self.uses_batch_statistics(attrs) else grad.radius
         return [GradField(error.to(g.dtype), None if flips is None else flips.to(g.dtype), radius, grad.flip_count,
-                          coupled=self.batch_coupled(attrs) or out.coupled)], parts
+                          coupled=self.couples_batch(attrs) or out.coupled)], parts
 
     # sampled propagation ------------------------------------------------------------------------
     def _sampled_statistics(self, attrs, x, u, lam):
@@ -437,7 +433,7 @@ class BatchNorm2d(Normalisation):
     def uses_batch_statistics(self, attrs):
         return attrs["training"]
 
-    def batch_coupled(self, attrs):
+    def couples_batch(self, attrs):
         return attrs["training"]
 
     def running(self, attrs, like):
