@@ -243,7 +243,9 @@ class Normalisation(Op):
         mu = self.each(attrs, st.mu, x)
         total = ((1 + 2 * u) * gam.abs() * e_xhat + FOLDED_ROUNDINGS * u * gam.abs() * r * (x.abs() + mu.abs())
                  + u * ((gam * xhat).abs() + beta.abs()) + u * y.double().abs())
-        coupled = self.couples_batch(attrs) or bool((st.own_mu > 0).any() or (st.own_var > 0).any())
+        # running statistics a float32 candidate rounds are one error shared by every sample too
+        coupled = self.couples_batch(attrs) or (not self.uses_batch_statistics(attrs) and bool(
+            (st.own_mu > 0).any() or (st.own_var > 0).any()))
         radius = None if self.uses_batch_statistics(attrs) else ins[0].radius
         memo = {"statistics": st, "xhat": xhat, "e_xhat": e_xhat, "own_xhat": own_xhat}
         total = total.to(y.dtype)
