@@ -180,6 +180,8 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
             field = op.forward_error(layer.attrs, inputs, y, layer_params(params, layer), ctx, parts=True)
         else:
             field = op.forward_error(layer.attrs, inputs, y, layer_params(params, layer), ctx)
+        # errors shared across the batch (a batch norm's statistics) stay shared in everything computed from them
+        field.coupled = field.coupled or any(f.coupled for f in inputs)
         fields[layer.index] = field
         for i in layer.inputs:
             remaining_readers[i] -= 1
@@ -213,9 +215,10 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
             out[name] = _quantity(name, part, u, network.param_shapes[name])
         for i, field in zip(layer.inputs, input_grads):
             if field is not None:
+                field.coupled = field.coupled or grad.coupled or any(f.coupled for f in inputs)
                 if layer.index == last:  # the loss's float64 error, passed on unchanged (a sub, an add): float32 below
                     field = GradField(_f32(field.error), None if field.flips is None else _f32(field.flips),
-                                      field.radius, field.flip_count, field.owned)
+                                      field.radius, field.flip_count, field.owned, field.coupled)
                 pending.setdefault(i, []).append(field)
         fields.pop(layer.index)  # every reader of this output is behind us: free its value and error
         del g, grad, contributions
@@ -250,7 +253,8 @@ def _combine(contributions: list[GradField], g: torch.Tensor, ctx: BoundContext)
     error = error + (m - 1) * ctx.u * magnitude
     radii = [c.radius for c in contributions]
     radius = None if any(r is None for r in radii) else max(radii)
-    return GradField(error, flips, radius, max(c.flip_count for c in contributions))
+    return GradField(error, flips, radius, max(c.flip_count for c in contributions),
+                     coupled=any(c.coupled for c in contributions))
 
 
 def gradient_bounds(trace: Trace, precision: str = "float32") -> dict[str, np.ndarray]:

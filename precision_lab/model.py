@@ -176,6 +176,11 @@ class Network:
             raise ModelSpecError(f"{self.name}: loss {self.loss}: {exc}") from None
 
     @cached_property
+    def couples_batch(self) -> bool:
+        """True when a layer's output for one sample reads the others (a training-mode batch norm's statistics)."""
+        return any(OPS[layer.op].couples_batch(layer.attrs) for layer in self.layers)
+
+    @cached_property
     def has_fixed_size(self) -> bool:
         """True when a flatten feeds a linear layer an image whose size follows the input's: the image size is then
         fixed by the linear layer's `in` (a global pool before the flatten leaves every size free)."""

@@ -166,11 +166,16 @@ def order_free_bound(terms: torch.Tensor, live_terms: torch.Tensor, u: float, la
     return own.reshape(live_terms.shape)
 
 
-def dependency_count(radius: int | None, terms_per_group: int) -> int:
+def dependency_count(radius: int | None, terms_per_group: int, coupled_terms: int | None = None) -> int:
     """χ* bound for the terms of a sum over an image grid whose error at p depends on roundings within
     `radius` pixels of p: elements farther apart than 2·radius share no rounding event, so the dependency
     graph has degree Δ ≤ (4·radius + 1)² − 1 and fractional chromatic number χ* ≤ Δ + 1 (Janson 2004).
-    `radius` None means every term of a group (one image, one sample) may depend on every other."""
+    `radius` None means every term of a group (one image, one sample) may depend on every other.
+    `coupled_terms`: the whole sum's term count where the errors are shared across the groups (a training-mode
+    batch norm's statistics reach every sample): every term may then depend on every other, χ* = n, and
+    sum_of_errors' Hoeffding side, λ·√(n·Σc²E²) ≥ λ·Σ|c|E (Cauchy–Schwarz), gives way to the deterministic sum."""
+    if coupled_terms is not None:
+        return max(1, coupled_terms)
     if radius is None:
         return max(1, terms_per_group)
     return min((4 * radius + 1) ** 2, max(1, terms_per_group))

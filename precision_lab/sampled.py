@@ -24,6 +24,8 @@ it away:
   V̂ = mean Δₖ², P(|error| > c·√V̂) ≤ E[2·exp(−c²V̂/2V)] = 2·(1 + c²/K)^(−K/2) (the moment generating
   function of a χ²_K variable): 1.1·10⁻⁶ per element at K = 16, c = 9 (SAMPLES, FACTOR).
 
+A rounding shared by a group of elements (a normalisation's mean, its variance) is one draw per group
+(`ops.SharedDraw`) reaching each element through its signed coefficient, so its effects add coherently as they do.
 Each op draws its own scales (`Op.sampled_forward_scale`, `Op.sampled_backward_scales`, and the loss's
 `sampled_grad_scale`, in precision_lab.ops); this module only runs them.
 
@@ -39,7 +41,7 @@ import numpy as np
 import torch
 
 from . import formats, roundoff
-from .ops import OPS
+from .ops import OPS, SharedDraw
 
 #: runs of the float64 network with sampled roundings (K): each costs one float64 forward and backward
 SAMPLES = 16
@@ -65,6 +67,20 @@ def applies(trace, precision: str) -> bool:
     return problem.batch * problem.height * problem.width <= ELEMENT_LIMIT
 
 
+def drawn(scale, like: torch.Tensor, draw) -> torch.Tensor:
+    """The deviation a scale stands for: one draw per element (a tensor), or a list of such scales and SharedDraws
+    (one draw per group, reaching its elements through a signed coefficient: a statistic's rounding), summed."""
+    if not isinstance(scale, list):
+        return scale * draw(like)
+    total = torch.zeros_like(like)
+    for part in scale:
+        if isinstance(part, SharedDraw):
+            total += (part.coefficient * (part.scale * draw(part.scale))).reshape(like.shape)
+        else:
+            total += part * draw(like)
+    return total
+
+
 class SampledOp:
     """An op whose outputs and input gradients get a Gaussian draw of their rounding's scale."""
 
@@ -82,14 +98,14 @@ class SampledOp:
         y = self.op.forward(attrs, xs, params, kernels)
         if self.scale is False:
             self.scale = self.forward_scale(attrs, xs, y, params, kernels)
-        return y if self.scale is None else y + self.scale * self.draw(y)
+        return y if self.scale is None else y + drawn(self.scale, y, self.draw)
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
         grads, param_grads = self.op.backward(attrs, g, xs, y, params, kernels, need)
         if self.scales is None:
             self.scales = self.backward_scales(attrs, g, xs, y, params, kernels, need, grads)
         scales = self.scales
-        grads = [h if h is None or s is None else h + s * self.draw(h) for h, s in zip(grads, scales)]
+        grads = [h if h is None or s is None else h + drawn(s, h, self.draw) for h, s in zip(grads, scales)]
         return grads, param_grads  # a parameter gradient's own rounding is errmodel's (deterministic)
 
     def forward_scale(self, attrs, xs, y, params, kernels):

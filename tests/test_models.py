@@ -122,8 +122,8 @@ def test_from_module_reads_sequential_and_traced_modules():
 
 
 def test_from_module_names_an_unsupported_op():
-    with pytest.raises(ModelSpecError, match=r"1: unsupported module BatchNorm2d: supported ops are conv2d"):
-        from_module(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)))
+    with pytest.raises(ModelSpecError, match=r"1: unsupported module PixelShuffle: supported ops are conv2d"):
+        from_module(nn.Sequential(nn.Conv2d(1, 4, 3), nn.PixelShuffle(2)))
 
 
 def test_cross_entropy_targets_are_class_indices():

@@ -1,3 +1,302 @@
+"""Normalisation ops: batch_norm2d in training and evaluation mode and group_norm, read from PyTorch modules, walked as autograd
+does, and judged: PyTorch's own float32 run and every legitimate float32 form of the statistics (two-pass, Welford,
+the one-pass E[x²] − μ²) are roundoff; a port's slip of the statistics is a defect with its cause named."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from precision_lab.compute import autograd_forward_backward, forward_backward
+from precision_lab.modules import from_module
+from precision_lab.ops import OPS, Rule
+from precision_lab.problem import make_problem
+from precision_lab.reference import reference
+from precision_lab.verdict import judge
+
+
+class DnCNNBN(nn.Module):
+    """DnCNN: conv–ReLU, conv–BN–ReLU ×2, conv; the network returns x − f(x)."""
+
+    def __init__(self, eps: float = 1e-5):
+        super().__init__()
+        self.head = nn.Conv2d(1, 8, 3, padding=1)
+        self.conv1, self.bn1 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8, eps=eps)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8, eps=eps)
+        self.tail = nn.Conv2d(8, 1, 3, padding=1)
+
+    def forward(self, x):
+        h = F.relu(self.head(x))
+        h = F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(h))))))
+        return x - self.tail(h)
+
+
+def _dncnn(mode: str, eps: float = 1e-5):
+    torch.manual_seed(0)
+    module = DnCNNBN(eps)
+    if mode == "eval":
+        # running statistics as training leaves them: one batch's (momentum 1), scaled off it by up to 30%
+        for bn in (module.bn1, module.bn2):
+            bn.momentum = 1.0
+        with torch.no_grad():
+            module(torch.from_numpy(make_problem(16, 2, 7, network=from_module(DnCNNBN(eps))).input))
+        for bn in (module.bn1, module.bn2):
+            bn.running_mean.mul_(torch.empty(8).uniform_(0.7, 1.3))
+            bn.running_var.mul_(torch.empty(8).uniform_(0.7, 1.3))
+        module.eval()
+    return from_module(module, name=f"dncnn-bn-{mode}")
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_batch_norm_forward_and_backward_are_pytorchs_in_float64(mode):
+    network = _dncnn(mode)
+    assert [layer.op for layer in network.layers] == ["conv2d", "relu", "conv2d", "batch_norm2d", "relu", "conv2d",
+                                                      "batch_norm2d", "relu", "conv2d", "sub"]
+    bn = network.layers[3].attrs
+    assert bn["training"] == (mode == "train") and bn["eps"] == 1e-5 and bn["affine"]
+    assert (bn["running_mean"] is None) == (mode == "train")
+    assert network.param_shapes["bn1.weight"] == (8,) and "bn1.running_mean" not in network.param_shapes
+    problem = make_problem(16, 2, 0, network=network)
+    walked, autograd = forward_backward(problem, "float64"), autograd_forward_backward(problem, "float64")
+    assert abs(walked.loss - autograd.loss) <= 1e-12 * abs(autograd.loss)
+    assert np.abs(walked.output - autograd.output).max() <= 1e-12 * np.abs(autograd.output).max()
+    for parameter, expected in autograd.grads.items():
+        assert np.abs(walked.grads[parameter] - expected).max() <= 1e-11 * np.abs(expected).max(), parameter
+
+
+def test_the_batch_statistics_matter_in_training_mode():
+    """The backward's two mean terms are not small: dropping them changes conv1's gradient by O(1) of itself."""
+    network = _dncnn("train")
+    problem = make_problem(16, 2, 0, network=network)
+    rules = {3: OPS["batch_norm2d"].port_slips(network.layers[3].attrs, (8, 16, 16))[1].rule()}
+    slipped, right = forward_backward(problem, "float64", rules=rules), forward_backward(problem, "float64")
+    change = np.abs(slipped.grads["conv1.weight"] - right.grads["conv1.weight"]).max()
+    assert change > 0.1 * np.abs(right.grads["conv1.weight"]).max()
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_pytorchs_own_float32_run_with_batch_norm_is_rounding(mode):
+    network = _dncnn(mode)
+    for seed in (0, 1):
+        problem = make_problem(24, 2, seed, network=network)
+        judgement = judge(autograd_forward_backward(problem, "float32"), reference(problem))
+        assert judgement.verdict == "roundoff", judgement.to_text()
+
+
+class StatisticsForm(Rule):
+    """A float32 normalisation whose statistics are computed in another legitimate form (backward unchanged)."""
+
+    def __init__(self, form: str, op: str = "batch_norm2d"):
+        self.op, self.form = OPS[op], form
+
+    def _statistics(self, x, attrs=None):
+        attrs = attrs or {"training": True}
+        if self.form == "two-pass":
+            return self.op.statistics(attrs, x)
+        viewed = self.op.view(attrs, x)
+        dims = self.op.stat_dims
+        kept = [d for d in range(viewed.dim()) if d not in dims]
+        group_shape = tuple(1 if d in dims else n for d, n in enumerate(viewed.shape))
+        columns = viewed.permute(*kept, *dims).reshape(-1, self.op.group_size(attrs, x))  # (groups, m)
+        if self.form == "one-pass":  # E[x²] − μ², cuDNN's and others' single sweep
+            mu = columns.mean(dim=1)
+            var = (columns * columns).mean(dim=1) - mu * mu
+        else:  # Welford's update, term by term
+            mu, m2 = torch.zeros_like(columns[:, 0]), torch.zeros_like(columns[:, 0])
+            for k in range(columns.shape[1]):
+                delta = columns[:, k] - mu
+                mu = mu + delta / (k + 1)
+                m2 = m2 + delta * (columns[:, k] - mu)
+            var = m2 / columns.shape[1]
+        return mu.reshape(group_shape), var.reshape(group_shape)
+
+    def forward(self, attrs, xs, params, kernels):
+        mu, var = self._statistics(xs[0], attrs)
+        xhat = ((self.op.view(attrs, xs[0]) - mu) * torch.rsqrt(var + attrs["eps"])).reshape(xs[0].shape)
+        return self.op.scaled(attrs, xhat, params)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return self.op.backward(attrs, g, xs, y, params, kernels, need)
+
+
+def _shifted(problem, shift: float):
+    """The same problem with the head's bias raised: the batch norms' inputs get a mean far above their spread."""
+    params = dict(problem.params)
+    params["head.bias"] = params["head.bias"] + np.float32(shift)
+    return problem.with_params(params)
+
+
+@pytest.mark.parametrize("form", ["two-pass", "one-pass", "welford"])
+@pytest.mark.parametrize("shift", [0.0, 20.0])
+def test_every_legitimate_float32_form_of_the_statistics_is_rounding(form, shift):
+    network = _dncnn("train")
+    problem = _shifted(make_problem(24, 2, 0, network=network), shift)
+    bns = [layer.index for layer in network.layers if layer.op == "batch_norm2d"]
+    candidate = forward_backward(problem, "float32", rules={i: StatisticsForm(form) for i in bns})
+    judgement = judge(candidate, reference(problem))
+    assert judgement.verdict == "roundoff", judgement.to_text()
+
+
+def test_the_one_pass_form_errs_beyond_the_variances_scale_where_the_mean_is_large():
+    """What the bound must cover: with |μ| ≫ σ the one-pass variance's error scales with E[x²], not with v."""
+    network = _dncnn("train")
+    problem = _shifted(make_problem(24, 2, 0, network=network), 20.0)
+    bn = network.layers.index(next(layer for layer in network.layers if layer.op == "batch_norm2d"))
+    trace = forward_backward(problem, "float64", keep_trace=True)
+    x = torch.as_tensor(np.asarray(trace.value(bn - 1)), dtype=torch.float64)
+    exact = StatisticsForm("two-pass")._statistics(x)[1]
+    errors = {form: float(((StatisticsForm(form)._statistics(x.float())[1].double() - exact) / exact).abs().max())
+              for form in ("two-pass", "one-pass")}
+    assert errors["one-pass"] > 30 * errors["two-pass"], errors
+
+
+@pytest.mark.parametrize("which", [0, 1, 2, 3])
+def test_a_batch_norm_slip_is_a_defect_with_its_cause(which):
+    """The unbiased variance moves x̂ by 1/(2m) relatively: on 2·12² pixels (m = 288) 1.7e-3, beyond TF32's unit
+    roundoff; on 2·24² (m = 1152) it is TF32's level, and a coarser format is named instead (never rounding)."""
+    network = _dncnn("train")
+    problem = make_problem(12, 2, 0, network=network)
+    slip = OPS["batch_norm2d"].port_slips(network.layers[3].attrs, (8, 12, 12))[which]
+    candidate = forward_backward(problem, "float32", rules={3: slip.rule()})
+    judgement = judge(candidate, reference(problem))
+    assert judgement.verdict == "defect"
+    assert judgement.cause is not None and slip.text in judgement.cause, judgement.to_text()
+    if "unbiased" in slip.text:
+        larger = make_problem(24, 2, 0, network=network)
+        judged = judge(forward_backward(larger, "float32", rules={3: slip.rule()}), reference(larger))
+        assert judged.verdict in ("defect", "reduced-precision"), judged.to_text()
+
+
+def test_an_evaluation_mode_batch_norm_with_epsilon_outside_the_root_is_named():
+    """ε outside the root moves r by √(v + ε)/(√v + ε) − 1: with Keras's default ε = 10⁻³ and these running variances
+    (0.03 – 0.06) about 0.7%, on a 12² problem (at 24² the format doctor finds that level bfloat16's, at PyTorch's
+    ε = 10⁻⁵ it is TF32's: neither is called rounding)."""
+    network = _dncnn("eval", eps=1e-3)
+    problem = make_problem(12, 2, 0, network=network)
+    (slip,) = OPS["batch_norm2d"].port_slips(network.layers[3].attrs, (8, 12, 12))
+    candidate = forward_backward(problem, "float32", rules={3: slip.rule(), 6: slip.rule()})
+    judgement = judge(candidate, reference(problem))
+    assert judgement.verdict == "defect"
+    assert judgement.cause is not None and "ε outside the square root" in judgement.cause, judgement.to_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# the example network, and the examples' PyTorch candidate with and without its planted slip
+
+
+def test_the_dncnn_bn_example_walks_as_autograd_and_its_pytorch_run_is_rounding():
+    from precision_lab.model import load_model
+    from precision_lab.paths import ROOT
+
+    network = load_model(ROOT / "examples" / "models" / "dncnn-bn.json")
+    assert [layer.op for layer in network.layers].count("batch_norm2d") == 2
+    for seed in (0, 1):
+        problem = make_problem(24, 2, seed, network=network)
+        walked, autograd = forward_backward(problem, "float64"), autograd_forward_backward(problem, "float64")
+        for parameter, expected in autograd.grads.items():
+            assert np.abs(walked.grads[parameter] - expected).max() <= 1e-11 * np.abs(expected).max(), parameter
+        judgement = judge(autograd_forward_backward(problem, "float32"), reference(problem))
+        assert judgement.verdict == "roundoff", judgement.to_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("yaml_name, verdict_, cause", [
+    ("dncnn-bn.yaml", "roundoff", None),
+    ("dncnn-bn-statistics-slip.yaml", "defect", "backward treats the batch statistics as constants")])
+def test_the_dncnn_bn_candidates_are_judged_with_their_cause(capsys, tmp_path, yaml_name, verdict_, cause):
+    import json
+
+    from precision_lab import cli
+    from precision_lab.paths import ROOT
+
+    out_json = tmp_path / "verdict.json"
+    code = cli.main(["diagnose", "--candidate", str(ROOT / "examples" / "models" / yaml_name), "--size", "16x16",
+                     "--batch", "2", "--probes", "none", "--json", str(out_json)])
+    capsys.readouterr()
+    verdict = json.loads(out_json.read_text())
+    assert code == (0 if cause is None else 1) and verdict["verdict"] == verdict_, verdict["evidence"]
+    if cause is not None:
+        assert cause in (verdict["cause"] or ""), verdict["cause"]
+
+
+# ---------------------------------------------------------------------------------------------
+# group_norm
+
+
+class GroupNormGELU(nn.Module):
+    """conv–GroupNorm–GELU twice, then a conv: a GroupNorm network as diffusion U-Nets build their blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.gn1 = nn.Conv2d(1, 8, 3, padding=1), nn.GroupNorm(2, 8)
+        self.body, self.gn2 = nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(4, 8)
+        self.head = nn.Conv2d(8, 1, 3, padding=1)
+
+    def forward(self, x):
+        return self.head(F.gelu(self.gn2(self.body(F.gelu(self.gn1(self.stem(x)))))))
+
+
+def _gn_network():
+    torch.manual_seed(0)
+    return from_module(GroupNormGELU(), name="gn-gelu")
+
+
+def test_group_norm_converts_and_walks_as_autograd():
+    network = _gn_network()
+    assert [layer.op for layer in network.layers] == ["conv2d", "group_norm", "gelu", "conv2d", "group_norm", "gelu",
+                                                      "conv2d"]
+    assert network.layers[4].attrs == {"groups": 4, "channels": 8, "eps": 1e-5, "affine": True}
+    problem = make_problem(16, 2, 0, network=network)
+    walked, autograd = forward_backward(problem, "float64"), autograd_forward_backward(problem, "float64")
+    assert abs(walked.loss - autograd.loss) <= 1e-12 * abs(autograd.loss)
+    for parameter, expected in autograd.grads.items():
+        assert np.abs(walked.grads[parameter] - expected).max() <= 1e-11 * np.abs(expected).max(), parameter
+
+
+@pytest.mark.parametrize("spec", [None, "gn-gelu.json"])
+def test_pytorchs_own_float32_run_with_group_norm_is_rounding(spec):
+    from precision_lab.model import load_model
+    from precision_lab.paths import ROOT
+
+    network = _gn_network() if spec is None else load_model(ROOT / "examples" / "models" / spec)
+    for seed in (0, 1):
+        problem = make_problem(24, 2, seed, network=network)
+        judgement = judge(autograd_forward_backward(problem, "float32"), reference(problem))
+        assert judgement.verdict == "roundoff", judgement.to_text()
+
+
+@pytest.mark.parametrize("form", ["one-pass", "welford"])
+def test_group_norms_legitimate_float32_statistics_are_rounding(form):
+    network = _gn_network()
+    problem = make_problem(24, 2, 0, network=network)
+    rules = {i: StatisticsForm(form, "group_norm") for i, layer in enumerate(network.layers) if layer.op == "group_norm"}
+    judgement = judge(forward_backward(problem, "float32", rules=rules), reference(problem))
+    assert judgement.verdict == "roundoff", judgement.to_text()
+
+
+@pytest.mark.parametrize("which, says", [(0, "over one group (a layer norm"), (1, "each channel on its own")])
+def test_a_group_norm_with_the_wrong_group_count_is_named(which, says):
+    network = _gn_network()
+    problem = make_problem(24, 2, 0, network=network)
+    slip = OPS["group_norm"].port_slips(network.layers[1].attrs, (8, 24, 24))[which]
+    judgement = judge(forward_backward(problem, "float32", rules={1: slip.rule()}), reference(problem))
+    assert judgement.verdict == "defect"
+    assert judgement.cause is not None and says in judgement.cause and "gn1" in judgement.cause, judgement.to_text()
+
+
+@pytest.mark.parametrize("name", ["train", "eval", "gn"])
+def test_every_zoo_verdict_is_right_on_a_normalised_network(name):
+    """Legitimate summation orders and algorithms around the normalisations are roundoff, the zoo's defects, layouts
+    and formats named; micro-batching is left out where training-mode batch statistics make each micro-batch
+    another function."""
+    from precision_lab.calibration import judge_zoo
+
+    network = _gn_network() if name == "gn" else _dncnn(name)
+    table = judge_zoo(make_problem(24, 2, 1, network=network), "cpu")
+    assert ("micro-batched" in set(table["candidate"])) == (name != "train")
+    assert len(table) >= 24
+    wrong = table[~table["correct"]]
+    assert wrong.empty, wrong[["candidate", "expected", "verdict", "detail", "worst_ratio"]].to_string()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ AROUND = {
     "sub": [CONV, {"name": "r", "op": "relu"}, {"op": "sub", "inputs": ["c", "r"]}],
     "mul": [CONV, {"name": "r", "op": "sigmoid"}, {"op": "mul", "from": "c"}],
     "concat": [CONV, {"name": "r", "op": "relu"}, {"op": "concat", "from": "c"}],
+    "batch_norm2d": [CONV, {"name": "bn", "op": "batch_norm2d", "channels": 2}],
+    "group_norm": [CONV, {"name": "gn", "op": "group_norm", "groups": 2, "channels": 2}],
     "flatten": [CONV, {"op": "max_pool2d", "kernel": 2}, {"op": "flatten"},
                 {"name": "fc", "op": "linear", "in": 2 * 3 * 3, "out": 2}],
 }

@@ -17,6 +17,7 @@ the output and, with --intermediates, every named layer's output and output grad
   sum-ce      cross-entropy summed over samples instead of averaged
   tf32        every convolution and linear operand rounded to TF32 (10 mantissa bits), still claimed float32
   unrotated   every transposed convolution correlates with its kernel as stored, not rotated by 180°
+  bn-constant every training-mode batch norm's backward treats the batch statistics as constants
 """
 import argparse
 import json
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-SLIPS = ("flip", "ohwi", "mask", "upsample", "skip", "sum-ce", "tf32", "unrotated")
+SLIPS = ("flip", "ohwi", "mask", "upsample", "skip", "sum-ce", "tf32", "unrotated", "bn-constant")
 
 
 def expand(spec):
@@ -92,6 +93,19 @@ class RoundedOperands(torch.autograd.Function):
         return tf32(g)
 
 
+def batch_norm(h, a, params, constant_statistics):
+    """PyTorch's batch norm; the slip computes the statistics from a detached copy (no gradient through them)."""
+    weight, bias = params.get(f"{a['name']}.weight"), params.get(f"{a['name']}.bias")
+    eps, training = a.get("eps", 1e-5), a.get("training", True)
+    if training and constant_statistics:
+        mean = h.detach().mean(dim=(0, 2, 3), keepdim=True)
+        var = h.detach().var(dim=(0, 2, 3), unbiased=False, keepdim=True)
+        y = (h - mean) / torch.sqrt(var + eps)
+        return y if weight is None else y * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
+    stats = [None, None] if training else [torch.tensor(a[k], dtype=h.dtype) for k in ("running_mean", "running_var")]
+    return F.batch_norm(h, *stats, weight, bias, training=training, momentum=0.0, eps=eps)
+
+
 def run(layers, loss_name, x, target, params, slip, keep):
     """Forward through the layers, the loss; returns (loss, output, named outputs)."""
     outputs, named = {-1: x}, {}
@@ -131,6 +145,11 @@ def run(layers, loss_name, x, target, params, slip, keep):
         elif op == "add":
             other = outputs[names[a["from"]]]
             y = h + (other.detach() if slip == "skip" else other)
+        elif op == "sub":
+            first, second = (x if n == "input" else outputs[names[n]] for n in a["inputs"])
+            y = first - second
+        elif op == "batch_norm2d":
+            y = batch_norm(h, a, params, slip == "bn-constant")
         elif op == "concat":
             y = torch.cat([h, outputs[names[a["from"]]]], dim=1)
         elif op == "flatten":

@@ -283,8 +283,10 @@ def _micro_batched(problem: Problem, precision: str, device: torch.device) -> Re
     return Result(loss, grads, output, precision, {"conv": "native, micro-batched"})
 
 
+# a network whose samples meet (training-mode batch statistics) computes another function on each micro-batch
 register(Candidate(name="micro-batched", description="gradient accumulation over single-image micro-batches, averaged",
-                   run=_micro_batched, family="legitimate", expected="roundoff"))
+                   run=_micro_batched, family="legitimate", expected="roundoff",
+                   applies=lambda network: not network.couples_batch))
 
 
 def _float64_inside(problem: Problem, precision: str, device: torch.device) -> Result:

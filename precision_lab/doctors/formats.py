@@ -187,14 +187,16 @@ def _correlation(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _null_members(reference: Trace) -> dict[str, Result]:
-    """Legitimate float32 orders for the null: the layered native kernels, and micro-batches of one sample."""
+    """Legitimate float32 orders for the null: the layered native kernels, and micro-batches of one sample (where no
+    layer mixes the samples)."""
     cache = reference.meta.setdefault("null_members", {})
     if not cache:
         problem = reference.problem
         cache["layered-native"] = emulate(reference, "float32")
-        parts = [forward_backward(problem.with_batch(b, b + 1), "float32", reference.device)
-                 for b in range(problem.batch)]
-        cache["micro-batched"] = _combine_micro_batches(parts, problem)
+        if not problem.network.couples_batch:  # where samples meet (batch statistics) a micro-batch is another function
+            parts = [forward_backward(problem.with_batch(b, b + 1), "float32", reference.device)
+                     for b in range(problem.batch)]
+            cache["micro-batched"] = _combine_micro_batches(parts, problem)
     return cache
 
 

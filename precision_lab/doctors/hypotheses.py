@@ -190,12 +190,13 @@ def _port_slips(family: str):
             return dict(result.grads, output=result.output, loss=np.asarray(result.loss, np.float64)) if slip.forward \
                 else result.grads
 
-        groups = list(dict.fromkeys(name for _, slip in slips for name in slip.every))
+        # one group per name and slip: an op with several slips (a batch norm's statistics) groups each on its own
+        groups = list(dict.fromkeys((name, slip.text) for _, slip in slips for name in slip.every))
         seen = []
-        for every in groups:
-            members = [(layer, slip) for layer, slip in slips if every in slip.every]
-            if len(members) > 1 and [m[0] for m in members] not in seen:
-                seen.append([m[0] for m in members])
+        for every, text in groups:
+            members = [(layer, slip) for layer, slip in slips if every in slip.every and slip.text == text]
+            if len(members) > 1 and ([m[0] for m in members], text) not in seen:
+                seen.append(([m[0] for m in members], text))
                 expected = recomputed({layer.index: slip.rule() for layer, slip in members}, members[0][1])
                 yield f"{every} {members[0][1].text}", expected, list(expected), False
         for layer, slip in slips:
@@ -252,5 +253,7 @@ HYPOTHESES = (
     Family("another framework's default (GELU's formula, a leaky slope)", True, _port_slips("default")),
     Family("a kernel's orientation (a true convolution)", True, _port_slips("kernel orientation")),
     Family("a transposed convolution's crop (its padding taken at the wrong side)", True, _port_slips("crop")),
+    Family("a normalisation's statistics (constants in the backward, the unbiased variance, ε outside the root, "
+           "running statistics)", True, _port_slips("statistics")),
     Family("stale weights", True, _stale_weights),
 )

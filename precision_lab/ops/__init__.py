@@ -80,6 +80,7 @@ class Field:
     memo: dict = field(default_factory=dict)
     nonnegative: bool = False  # value ≥ 0 everywhere (a ReLU output): |value| is value itself
     consumable: bool = False  # set by the walk: the one reader may overwrite `error` (nobody reads it after)
+    coupled: bool = False  # errors shared across the batch's samples (a batch norm's statistics): sums over samples see them dependent
 
 
 @dataclass
@@ -97,6 +98,7 @@ class GradField:
     radius: int | None = 0
     flip_count: int = 0
     owned: bool = True  # False when the same tensors also went to another input (add): never overwrite them
+    coupled: bool = False  # as Field.coupled: errors shared across the batch's samples
 
 
 @dataclass
@@ -130,6 +132,22 @@ class BoundContext:
 
     def sum_of_errors(self, deterministic, squares, chi: int):
         return roundoff.sum_of_errors(deterministic, squares, chi, self.lam)
+
+
+@dataclass
+class SharedDraw:
+    """A rounding shared by a group of elements (a normalisation's statistic) in the sampled propagation
+    (precision_lab.sampled): one draw per element of `scale` (the groups' shape), reaching every element of the
+    group through `coefficient` (signed, broadcastable against `scale`; the product reshaped to the tensor's)."""
+
+    coefficient: torch.Tensor
+    scale: torch.Tensor
+
+
+def coupled_terms(n: int, *fields) -> int | None:
+    """A sum's term count n where any of `fields` (Field, GradField) carries errors shared across the batch's
+    samples (roundoff.dependency_count's `coupled_terms`), else None."""
+    return n if any(f is not None and f.coupled for f in fields) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +202,11 @@ class Op:
 
     def describe(self, attrs: dict) -> str:
         return self.name
+
+    def couples_batch(self, attrs: dict) -> bool:
+        """Whether one sample's output reads the other samples (a training-mode batch norm): a sub-batch then computes
+        another function, and errors shared across samples are marked `coupled` (Field)."""
+        return False
 
     # as PyTorch runs it (modules.SpecModule) -----------------------------------------------------
     def torch_module(self, attrs: dict, device=None, dtype=None):
@@ -497,7 +520,8 @@ def n_spatial(shape) -> int:
 from . import layers, losses, pointwise, routing  # noqa: E402,F401 - each registers its ops
 from . import transposed  # noqa: E402,F401 - registered after layers: its rules are a convolution's, roles swapped
 from . import arithmetic  # noqa: E402,F401 - registered after routing: its ops build on add
+from . import normalisation  # noqa: E402,F401 - registers batch_norm2d, group_norm
 
 __all__ = ["BackwardReplaced", "BoundContext", "Field", "GradField", "Kernels", "LOSSES", "OPS", "Op", "OpSpecError",
-           "OtherAttributes", "Parts", "PortSlip", "REQUIRED", "Rule", "SEED_CONV", "SPARSE_LIMIT", "has_values", "is_seed_conv", "register", "register_loss",
+           "OtherAttributes", "Parts", "PortSlip", "REQUIRED", "Rule", "SEED_CONV", "SPARSE_LIMIT", "SharedDraw", "has_values", "is_seed_conv", "register", "register_loss",
            "sparse_points"]

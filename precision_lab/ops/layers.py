@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import REQUIRED, BoundContext, Field, GradField, Op, OpSpecError, Parts, as_pair, gather_radius, positive_int
-from . import PortSlip, Rule, abs_params, gamma_over_lambda, has_values, is_seed_conv, nonzero, register, sparse_points, spread
+from . import PortSlip, Rule, abs_params, coupled_terms, gamma_over_lambda, has_values, is_seed_conv, nonzero, register, sparse_points, spread
 from .onnx_reading import OnnxRead, attr, bias_of, pads_tblr, require
 from .. import roundoff
 from ..conv.winograd_bound import winograd_scale, winograd_weight_grad_scale
@@ -291,7 +291,7 @@ class Conv2d(Op):
         n_terms = g.shape[0] * g.shape[2] * g.shape[3]
         g_repeats = [roundoff.repeats(g[:, c], n_terms, ctx.precision) for c in range(g.shape[1])]
         if "bias" in params:  # before the weight part, which may square the gradient's error in place
-            bias_parts = _bias_parts(g, g_abs, grad, (0, 2, 3), self._chi(attrs, grad.radius, g), ctx, g_repeats)
+            bias_parts = _bias_parts(g, g_abs, grad, (0, 2, 3), self._chi(attrs, grad, g), ctx, g_repeats)
         drift = _conv_weight_drift(g, g_repeats, ins[0].value, attrs, tuple(w.shape), ctx)
         parts = {"weight": self._weight_grad_parts(attrs, g, g_abs, grad, flip_points, ins[0], tuple(w.shape), ctx)}
         if drift is not None:
@@ -301,8 +301,8 @@ class Conv2d(Op):
         return [input_field], parts
 
     @staticmethod
-    def _chi(attrs, radius, g) -> int:
-        return roundoff.dependency_count(radius, g.shape[2] * g.shape[3])
+    def _chi(attrs, grad: GradField, g) -> int:
+        return roundoff.dependency_count(grad.radius, g.shape[2] * g.shape[3], coupled_terms(g.numel() // g.shape[1], grad))
 
     def _weight_grad_parts(self, attrs, g, g_abs, grad: GradField, flip_points, inp: Field, weight_shape,
                            ctx: BoundContext) -> Parts:
@@ -345,7 +345,7 @@ class Conv2d(Op):
             if inp.consumable:
                 inp.error = None  # squared: no longer an error bound
         radius = _max_radius(spread(inp.radius, self.reach(attrs), attrs["stride"][0]), grad.radius)
-        chi = roundoff.dependency_count(radius, g_abs.shape[2] * g_abs.shape[3])
+        chi = roundoff.dependency_count(radius, g_abs.shape[2] * g_abs.shape[3], coupled_terms(n, inp, grad))
         propagated = ctx.sum_of_errors(deterministic, squares, chi) + second_order
         # flipped ReLUs pass or block a whole gradient: added deterministically
         if flip_points is not None:
@@ -723,15 +723,16 @@ class Linear(Op):
             squares = 2 * (squares + (g_abs * g_abs).T @ (a_error * a_error))
             upstream = grad.error.sum(dim=0) + (grad.flips.sum(dim=0) if _has(grad.flips) else 0.0)
             second_order = float(a_error.max()) * upstream.view(-1, 1)
-        # each term of a weight-gradient element is one sample: samples share no rounding (χ* = 1)
-        propagated = ctx.sum_of_errors(deterministic, squares, 1) + second_order
+        # each term of a weight-gradient element is one sample: samples share no rounding (χ* = 1) unless coupled
+        chi = roundoff.dependency_count(0, 1, coupled_terms(n, ins[0], grad))
+        propagated = ctx.sum_of_errors(deterministic, squares, chi) + second_order
         if _has(grad.flips):
             propagated = propagated + grad.flips.T @ a_abs
         rounding = ctx.rounding_term(lambda x, e: e.T @ x, a_abs, g_abs)
         parts = {"weight": Parts(n, abs_sum, ctx.gamma(n) * abs_sum, rounding, propagated,
                                  grad.flip_count + ins[0].flips)}
         if "bias" in params:
-            parts["bias"] = _bias_parts(g, g_abs, grad, (0,), 1, ctx)
+            parts["bias"] = _bias_parts(g, g_abs, grad, (0,), roundoff.dependency_count(0, 1, coupled_terms(n, grad)), ctx)
         return [input_field], parts
 
 

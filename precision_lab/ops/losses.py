@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import Field, GradField, OpSpecError, Parts, register_loss
+from . import Field, GradField, OpSpecError, Parts, coupled_terms, register_loss
 from .. import roundoff
 
 
@@ -69,13 +69,13 @@ class MSE:
         own = _mean_own(squares, n_out + 16, n_out, loss_sum, ctx)
         accumulation, drifted = _own_part(own, residual * residual, n_out, ctx)
         error = out.error if out.error is not None else torch.zeros_like(residual)
-        chi = roundoff.dependency_count(out.radius, _pixels(y)) * _channels(y)
+        chi = roundoff.dependency_count(out.radius, _pixels(y), coupled_terms(n_out, out)) * (1 if out.coupled else _channels(y))
         first_order = ctx.sum_of_errors((residual.abs() * error).sum().double(),
                                         (residual * residual * error * error).sum().double(), chi)
         propagated = ((2.0 / n_out) * first_order + (error.double() ** 2).sum() / n_out).reshape(1)
         grad_error = (2.0 / n_out) * (error + roundoff.gamma(2, ctx.u) * residual.abs())
         return (Parts(n_out, loss_sum, accumulation, 0.0, propagated, out.flips, drifted),
-                GradField(grad_error, None, out.radius, 0))
+                GradField(grad_error, None, out.radius, 0, coupled=out.coupled))
 
 
 def _mean_own(terms: torch.Tensor, live: int, count: int, mean: torch.Tensor, ctx) -> torch.Tensor:
@@ -183,7 +183,7 @@ class CrossEntropy:
         weighted = (p * error).sum(dim=1, keepdim=True)
         error_t = error.gather(1, target.unsqueeze(1))
         propagated_each = weighted + error_t + 0.5 * error.amax(dim=1, keepdim=True) ** 2
-        chi = roundoff.dependency_count(out.radius, _pixels(z))
+        chi = roundoff.dependency_count(out.radius, _pixels(z), coupled_terms(z.shape[0] * _pixels(z), out))
         propagated = ctx.sum_of_errors(propagated_each.sum(), (propagated_each ** 2).sum(), chi) / count
         loss_sum = torch.tensor([float(loss)], dtype=torch.float64, device=z.device)
         # the positions' terms lᵢ ≥ 0 (their evaluation is `evaluation`, below)
@@ -196,7 +196,7 @@ class CrossEntropy:
         # a probability is off by at most 1 whatever the logits' errors (an overflowing expm1 would give inf·0)
         p_error = torch.minimum(p * relative.clamp(max=1e300), torch.ones_like(p))
         grad_error = (p_error + 2 * u * (p - onehot).abs()) / count
-        return parts, GradField(grad_error.to(torch.float32), None, out.radius, 0)
+        return parts, GradField(grad_error.to(torch.float32), None, out.radius, 0, coupled=out.coupled)
 
 
 register_loss(MSE())
