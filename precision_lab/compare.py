@@ -100,7 +100,9 @@ def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, stor
             certifying: bool = True) -> QuantityVerdict:
     """Every evidence number of one quantity; the verdict is provisional (roundoff iff within bound)."""
     err = np.abs(got - ref)
-    ratio = err / bound
+    # an element the error model cannot bound (a reduced format's worst case through normalisations) is no evidence
+    unbounded = ~np.isfinite(bound)
+    ratio = np.where(unbounded, 0.0, err / np.where(unbounded, 1.0, bound))
     finite = bool(np.all(np.isfinite(got)))
     nonzero = ref != 0
     norms = float(np.linalg.norm(got)) * float(np.linalg.norm(ref))
@@ -116,6 +118,10 @@ def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, stor
         second_ratio=_second_largest(ratio) if ratio.size > 1 and finite else 0.0)
     if not finite:
         q.evidence = "non-finite values (NaN or inf)"
+    elif q.verdict == "roundoff" and unbounded.any():
+        q.verdict = "inconclusive"
+        q.evidence = (f"the error model gives no finite bound at {int(unbounded.sum())} of {q.size} elements (its worst "
+                      f"case leaves no relative accuracy there): neither rounding nor a defect is shown")
     elif q.verdict == "roundoff" and certifying:
         certify(q, ref, bound)
     return q

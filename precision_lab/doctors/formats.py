@@ -161,7 +161,12 @@ def precision(quantities, claimed: str, result: Result, reference: Trace, pairs,
                 for name in broad + (isolated if output_shows else []):
                     got, ref = pairs[name]
                     ratio = float(np.max(np.abs(got - ref) / fmt_bounds[name].bound))
-                    if ratio <= 1.0:
+                    if not np.isfinite(fmt_bounds[name].bound).all():
+                        # an unbounded element would excuse any error: the format cannot be told from a defect here
+                        findings.append(Finding("beyond-format", name, name=fmt, evidence=f"the {fmt} bound is not "
+                                                f"finite everywhere (its worst case leaves no relative accuracy), so "
+                                                f"it excuses nothing", numbers={"format_bound_ratio": math.inf}))
+                    elif ratio <= 1.0:
                         named[name] = fmt
                         findings.append(Finding("format-level", name, "reduced-precision", fmt,
                                                 f"within the {fmt} bound (error ÷ bound {ratio:.3g})",
