@@ -71,11 +71,11 @@ import numpy as np
 from .. import formats
 from ..errors import LabInputError
 from .builds import COMPARISON_LINES, PERSISTENCE_LIMIT, compare_builds, excess_limit, format_index, implied_format
-from .groups import GROUP_PANELS, Share, check_groups, group_suspects
+from .groups import GROUP_PANELS, Share, check_groups, group_suspects, scale_invariant
 from .localise import Located, localise
 from .noise import NOISE_MULTIPLIERS, NOISE_MULTIPLIERS_FLOAT32, NOISE_ULPS, Noise, measure_noise
 from .points import displaced, tensor_scales, tensor_step
-from .program import BudgetSpent, Calls, Oracle, default_budget, storage_dtype
+from .program import BudgetSpent, Calls, Oracle, default_budget, float32_only_budget, storage_dtype
 from .noise import SETTLE_RTOL
 from .results import GradCheck, TensorVerdict
 from .segments import Segment, check_segments, segment_panels
@@ -91,10 +91,12 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
     started = time.perf_counter()
     base = {name: np.asarray(value, np.float64) for name, value in base.items()}
     shapes = {name: value.shape for name, value in base.items()}
-    budget = max_calls if max_calls is not None else default_budget(len(base))
     rng = np.random.default_rng(seed)
     claimed = oracle.claimed_precision
     has_float64 = bool(oracle.has_float64) and claimed != "float64"
+    float32_budget = float32_only_budget(len(base), len(NOISE_MULTIPLIERS_FLOAT32))
+    budget = (max_calls if max_calls is not None else
+              float32_budget if not has_float64 and claimed != "float64" else default_budget(len(base)))
     fd_build = "float64" if has_float64 else "claimed"
     fd_precision = "float64" if has_float64 else claimed
     fd_storage = np.dtype("float64" if fd_precision == "float64" else "float32")
@@ -116,6 +118,8 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
         if not noise[fd_build].responsive and fd_build == "float64" and claimed != "float64":
             # a float64 build that is not one is not trusted: the claimed build alone, as without one
             notes.append(_unresponsive_words(noise["float64"], "float64", "float64"))
+            if max_calls is None:  # the float32-only check's own default
+                calls.budget = budget = max(budget, float32_budget)
             at_base = calls("claimed", base)
             noise["claimed"] = measure_noise(calls, "claimed", claimed, base, at_base, scales, rng,
                                              NOISE_MULTIPLIERS_FLOAT32)
@@ -255,10 +259,12 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
     checker = Checker(calls, "claimed", base, at_base, noise["claimed"], noise["claimed"].loss_sigma)
     step = formats.unit_roundoff(claimed) ** STEP_EXPONENT
     multipliers = [m * LEVEL_FACTOR ** -i for i in range(MAX_LEVELS) for m in (1, -1)]
-    shares: dict[str, list[Share]] = {name: [Share(name, g) for g in groups if g.parts.get(name, 0.0) > 0]
-                                      for name in base}
+    invariant = {name for name in base if scale_invariant(name, base, at_base, noise["claimed"])}
+    # a scale-invariant tensor's part of a scaling segment is rounding: no share of it speaks for its gradient
+    shares: dict[str, list[Share]] = {name: [Share(name, g) for g in groups if g.parts.get(name, 0.0) > 0
+                                             and name not in invariant] for name in base}
     # the tensors a share settled too: a share sees the gradient only along the tensor's own values
-    kinked = sorted((s for s in segments.values() if s.rule == "panels" and s.outcome == "agree"
+    kinked = sorted((s for s in segments.values() if s.rule == "panels" and s.outcome in ("agree", "undecided")
                      and s.resolution > SETTLE_RTOL), key=lambda s: -s.resolution)
     try:
         for segment in kinked:
@@ -284,6 +290,11 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
         tensor = TensorVerdict(name, base[name].shape, segment=segment, evidence=[segment.evidence()],
                                directions=directions[name], shares=shares[name] if blind <= SETTLE_RTOL else [])
         tensor.evidence += [d.evidence() for d in directions[name]] + [x.evidence() for x in shares[name]]
+        if name in invariant:
+            tensor.evidence.append(
+                f"{name} is scale-invariant (g·w = {float(np.sum(at_base.grads[name] * base[name])):.3g}, within its "
+                f"rounding: a normalisation follows it): a segment along its own values carries no information, for a "
+                f"right gradient or one wrong by any factor, so its own segment at 45° to its gradient decides")
         if blind > SETTLE_RTOL and shares[name]:
             tensor.evidence.append(f"{blind:.2g} of {name}'s gradient norm is on elements whose value is 0, which its "
                                    f"scaling segments do not move: they do not settle it")
@@ -302,6 +313,10 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
                 tensor.max_abs_err = abs(group.residual) / (2 * reach) if reach > 0 else math.nan
                 tensor.bound_ratio = abs(group.residual) / group.bound if group.bound > 0 else math.inf
                 tensor.evidence.append(words)
+        elif segment.outcome == "undecided":  # its own segment many σ off: no share may call it roundoff
+            tensor.verdict = "inconclusive"
+            tensor.settle = (f"{segment.suspect} (--max-calls: {len(segment.nodes) - 1} panels were what the calls "
+                             f"allowed)")
         elif resolution <= SETTLE_RTOL:
             tensor.verdict = "roundoff"
         else:
