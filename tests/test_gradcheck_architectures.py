@@ -5,6 +5,7 @@ the output gradient shifted one pixel is a `defect` naming its tensor."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -222,3 +223,93 @@ def test_weights_in_front_of_a_normalisation_get_no_scaling_segment(seed):
         assert tensor.shares == [] and tensor.verdict == "roundoff", result.to_text()
     others = [n for n, t in result.tensors.items() if any("scale-invariant" in line for line in t.evidence)]
     assert others == ["conv1.weight", "conv2.weight"]
+
+
+# ---------------------------------------------------------------------------------------------
+# an opaque candidate written with precision_lab.protocol
+
+PROTOCOL_PROGRAM = '''
+"""L = mean((x @ W + b - t)^2) through precision_lab.protocol: an opaque request in, loss and gradients out."""
+import sys
+import numpy as np
+from precision_lab import protocol
+
+def compute(request):
+    a = request.arrays
+    x, t, w, b = a["x"], a["t"], a["lin.w"], a["lin.b"]
+    r = x @ w + b - t
+    grads = {"lin.w": 2 * x.T @ r / r.size, "lin.b": 2 * r.sum(0) / r.size}
+    if sys.argv[3] == "missing":
+        del grads["lin.b"]
+    return np.mean(r * r), grads
+
+protocol.run(compute, argv=sys.argv[1:3])
+'''
+
+
+def _protocol_candidate(folder, raw_order, mode="good"):
+    import json
+
+    import yaml
+
+    from precision_lab.candidates import resolve
+
+    rng = np.random.default_rng(0)
+    arrays = {"x": rng.standard_normal((16, 3)), "t": rng.standard_normal((16, 2)), "lin.w": rng.standard_normal((3, 2)),
+              "lin.b": np.zeros(2)}
+    arrays = {k: v.astype(np.float32) for k, v in arrays.items()}
+    start = folder / "start"
+    start.mkdir(parents=True)
+    manifest = {"format": "precision-lab/bundle-1", "kind": "request", "precision": "float32",
+                "model": {"opaque": True, "parameters": ["lin.w", "lin.b"]}}
+    if raw_order:
+        manifest["arrays"] = {}
+        for name, value in arrays.items():
+            value.ravel(order=raw_order).tofile(start / f"{name}.raw")
+            manifest["arrays"][name] = {"file": f"{name}.raw", "dtype": "float32", "shape": list(value.shape),
+                                        "order": raw_order}
+    else:
+        np.savez(start / "arrays.npz", **arrays)
+    (start / "bundle.json").write_text(json.dumps(manifest))
+    (folder / "program.py").write_text(PROTOCOL_PROGRAM)
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's precision_lab, not an installed one
+    spec = {"name": f"protocol-{mode}", "model": "opaque", "start": "start/", "precision": "float32", "timeout_s": 60,
+            "command": ["{python}", "program.py", "{request}", "{response}", mode], "env": {"PYTHONPATH": root}}
+    (folder / "candidate.yaml").write_text(yaml.safe_dump(spec))
+    return resolve(str(folder / "candidate.yaml")), arrays
+
+
+@pytest.mark.parametrize("raw_order", [None, "F"])
+def test_an_opaque_candidate_written_with_the_protocol_answers_the_check(tmp_path, raw_order):
+    """protocol.run serves an opaque request (npz or raw binaries, C or F order): the loss and both gradients
+    come back in the request's format and dtype, equal to the analytic ones at the perturbed point."""
+    candidate, arrays = _protocol_candidate(tmp_path, raw_order)
+    point = {"lin.w": (arrays["lin.w"] + np.float32(0.5)).astype(np.float64), "lin.b": np.full(2, 0.25)}
+    answer = candidate.program.evaluate("claimed", point)
+    x, t = arrays["x"].astype(np.float64), arrays["t"].astype(np.float64)
+    r = x @ point["lin.w"] + point["lin.b"] - t
+    assert answer.loss == pytest.approx(np.mean(r * r), rel=1e-6)
+    np.testing.assert_allclose(answer.grads["lin.w"], 2 * x.T @ r / r.size, rtol=1e-5)
+    np.testing.assert_allclose(answer.grads["lin.b"], 2 * r.sum(0) / r.size, rtol=1e-5)
+
+
+def test_an_opaque_protocol_answer_without_a_gradient_is_one_line_and_exit_2(tmp_path):
+    from precision_lab.candidates.command import CommandCandidateError
+
+    candidate, arrays = _protocol_candidate(tmp_path, None, mode="missing")
+    with pytest.raises(CommandCandidateError, match="no gradient for 'lin.b'"):
+        candidate.program.evaluate("claimed", {k: arrays[k].astype(np.float64) for k in ("lin.w", "lin.b")})
+
+
+def test_an_opaque_request_reads_back_as_written(tmp_path):
+    """In-process: read_request gives every array and the listed parameters; write_response refuses a wrong shape."""
+    from precision_lab import protocol
+
+    candidate, arrays = _protocol_candidate(tmp_path, "C")
+    request = protocol.read_request(tmp_path / "start")
+    assert isinstance(request, protocol.OpaqueRequest) and request.parameter_names == ("lin.w", "lin.b")
+    assert request.dtype == np.float32 and set(request.arrays) == {"x", "t", "lin.w", "lin.b"}
+    np.testing.assert_array_equal(request.params["lin.w"], arrays["lin.w"])
+    with pytest.raises(protocol.ProtocolError, match="shape"):
+        protocol.write_response(tmp_path / "out", request, np.float32(1), {"lin.w": np.zeros((2, 3), np.float32),
+                                                                         "lin.b": np.zeros(2, np.float32)})
