@@ -313,3 +313,26 @@ def test_an_opaque_request_reads_back_as_written(tmp_path):
     with pytest.raises(protocol.ProtocolError, match="shape"):
         protocol.write_response(tmp_path / "out", request, np.float32(1), {"lin.w": np.zeros((2, 3), np.float32),
                                                                          "lin.b": np.zeros(2, np.float32)})
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_float32_only_defect_is_located_where_the_short_stencil_resolves_it(seed):
+    """conv2.weight[3, 1, 0, 2]'s gradient 3× its value, float32 only: its segment disagrees, the short stencil along
+    the segment's direction sees the error (far above its ~1e-3 resolution), and halving it names the element and
+    the gradient the loss says (× 1/3). The shifted transposed convolution's error is everywhere in dec1.weight:
+    no half carries it alone, and the report says so."""
+    params, program = groupnorm_gelu()
+
+    def wrong_element(p, dtype):
+        loss, grads = program(p, dtype)
+        g = grads["conv2.weight"].copy()
+        g[3, 1, 0, 2] *= 3
+        return loss, {**grads, "conv2.weight": g}
+    result = check_gradients(FunctionOracle(wrong_element, name="f32", has_float64=False), params, seed=seed)
+    assert [n for n, t in result.tensors.items() if t.verdict == "defect"] == ["conv2.weight"], result.to_text()
+    (located,) = result.tensors["conv2.weight"].located
+    right = program(params, np.float32)[1]["conv2.weight"][3, 1, 0, 2]
+    assert located.region == "conv2.weight[3, 1, 0, 2]" and abs(located.element_error / (2 * right) - 1) < 0.2
+    shifted = _check(conv_transpose_autoencoder, seed, shifted=True).tensors["dec1.weight"]
+    assert [x.region for x in shifted.located] == ["dec1.weight (whole tensor)"]
+    assert shifted.located[0].note.startswith("spread along axis 0")

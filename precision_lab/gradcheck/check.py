@@ -52,10 +52,14 @@ What the check spends its program calls on, in order:
    evidence does not clear. The calls left go where each bound comes from: a segment bounded by rounding is
    tried longer, one bounded by quadrature gets twice the panels, then a shorter segment, and a tensor
    behind many kinks gets the short stencil of 2. (which crosses few of them); a tensor's verdict is its
-   best evidence's.
+   best evidence's. A panels' fit many σ off but within the t of its few dof is `undecided` (never
+   agreement) and gets twice the panels first; weights in front of a normalisation (g·w = 0 by symmetry)
+   get no scaling segment; the default budget is `float32_only_budget` (an 8-panel segment per tensor).
 4. **Localisation.** A direction that fails is restricted to halves of the tensor (rows, then
    columns, … down to single elements) to name where the gradient is wrong; a float32-only
-   error is located element by element from 3. at no extra cost.
+   error is located element by element from 3. at no extra cost. Without a float64 build, a disagreeing
+   segment's direction is halved with the short stencil of 2. where it resolves the error
+   (`_locate_float32_only`, with calls kept from the refinement for it).
 
 Verdicts: ``roundoff`` (the gradient is the derivative of the loss, to a stated resolution),
 ``defect`` (with the tensor and the directional evidence) and ``inconclusive`` (the noise or
@@ -78,7 +82,7 @@ from .points import displaced, tensor_scales, tensor_step
 from .program import BudgetSpent, Calls, Oracle, default_budget, float32_only_budget, storage_dtype
 from .noise import SETTLE_RTOL
 from .results import GradCheck, TensorVerdict
-from .segments import Segment, check_segments, segment_panels
+from .segments import Segment, check_segments, located_reserve, segment_panels
 from .stencils import LEVEL_FACTOR, MAX_DIRECTIONS, MAX_LEVELS, STEP_EXPONENT, Checker, Direction
 
 
@@ -242,8 +246,14 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
         groups: list[Segment] = []
 
         def scale_groups(first: dict[str, Segment]) -> set[str]:
-            # scaling segments before any refinement: the tensors behind kinks need them most
-            groups.extend(check_groups(calls, base, at_base, noise["claimed"], first, GROUP_PANELS, storage))
+            # scaling segments before any refinement: the tensors behind kinks need them most; a tensor whose own
+            # segment disagrees is a defect already, and the calls to locate its error are kept from them
+            reserve = located_reserve(first, base)
+            calls.budget -= reserve
+            try:
+                groups.extend(check_groups(calls, base, at_base, noise["claimed"], first, GROUP_PANELS, storage))
+            finally:
+                calls.budget += reserve
             return {m for g in groups if g.outcome == "agree" for m in g.parts if Share(m, g).resolution <= SETTLE_RTOL}
         segments = check_segments(calls, base, at_base, noise["claimed"], scales, rng, panels, storage,
                                   between=scale_groups)
@@ -266,15 +276,16 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
     # the tensors a share settled too: a share sees the gradient only along the tensor's own values
     kinked = sorted((s for s in segments.values() if s.rule == "panels" and s.outcome in ("agree", "undecided")
                      and s.resolution > SETTLE_RTOL), key=lambda s: -s.resolution)
+    reserve = located_reserve(segments, base)  # kept for locating a disagreeing tensor's error
     try:
         for segment in kinked:
             name = next(iter(segment.displacement))
-            if calls.left < 2:
+            if calls.left < 2 + reserve:
                 break
             direction = checker.direction(f"{name} along a random unit direction (short stencil)",
                                           {name: tensor_step(base[name], step * scales[name], storage, multipliers, rng)})
             directions[name].append(direction)
-            while direction.outcome == "open" and calls.left >= 2:
+            while direction.outcome == "open" and calls.left >= 2 + reserve:
                 checker.advance(direction)
     finally:
         calls.close()
@@ -295,7 +306,7 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
                 f"{name} is scale-invariant (g·w = {float(np.sum(at_base.grads[name] * base[name])):.3g}, within its "
                 f"rounding: a normalisation follows it): a segment along its own values carries no information, for a "
                 f"right gradient or one wrong by any factor, so its own segment at 45° to its gradient decides")
-        if blind > SETTLE_RTOL and shares[name]:
+        if blind > SETTLE_RTOL:  # whether or not a scaling segment ran: none could settle it
             tensor.evidence.append(f"{blind:.2g} of {name}'s gradient norm is on elements whose value is 0, which its "
                                    f"scaling segments do not move: they do not settle it")
         tensor.max_abs_err = abs(segment.residual) / (2 * segment.norm()) if segment.norm() > 0 else math.nan
@@ -325,6 +336,7 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
                              f"(settled needs {SETTLE_RTOL:g}; {segment.statistic}): give the candidate a "
                              f"command_float64 (the same program in double precision), or more calls (--max-calls)")
         tensors[name] = tensor
+    _locate_float32_only(calls, checker, tensors, segments, base, scales, storage, step, multipliers, rng)
     for name in {m for group in undecided for m in group}:
         if tensors[name].verdict != "defect":
             tensors[name].verdict = "inconclusive"
@@ -335,6 +347,38 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
     verdict = "defect" if "defect" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "roundoff")
     return GradCheck(oracle.name, claimed, False, verdict, tensors, [], None, noise, dict(calls.counts), budget,
                      time.perf_counter() - started, calls.program_s, seed, notes + unexplained, undecided)
+
+
+def _locate_float32_only(calls, checker, tensors, segments, base, scales, storage, step, multipliers, rng) -> None:
+    """A float32-only defect located below the tensor where the check's own evidence allows: the short stencil
+    (h = u^(1/3)·‖w‖) along the disagreeing segment's direction resolves g·d to ~u^(2/3)·cond (1e-4 – 1e-2), so an
+    error above that is halved down to its region (`localise`); one below it, or one without calls, is not."""
+    try:
+        for tensor in (t for t in tensors.values() if t.verdict == "defect" and not t.located):
+            segment = segments[tensor.name]
+            if segment.outcome != "disagree":
+                tensor.evidence.append("not located below the tensor: its disagreement is a scaling segment's, along "
+                                       "its values, which every element shares in proportion to itself")
+                continue
+            if calls.left < 2:
+                tensor.evidence.append("not located below the tensor: no calls left for short stencils (--max-calls)")
+                continue
+            unit = segment.displacement[tensor.name] / max(float(np.linalg.norm(segment.displacement[tensor.name])), 1e-300)
+            direction = checker.direction(f"{tensor.name} along its disagreeing segment (short stencil)",
+                                          {tensor.name: tensor_step(base[tensor.name], step * scales[tensor.name], storage,
+                                                                    multipliers, rng, unit=unit)})
+            while direction.outcome == "open" and calls.left >= 2:
+                checker.advance(direction)
+            tensor.directions.append(direction)
+            tensor.evidence.append(direction.evidence())
+            if direction.outcome != "disagree":
+                tensor.evidence.append(f"not located below the tensor: the short stencil along the segment's direction "
+                                       f"does not resolve its error ({direction.outcome})")
+                continue
+            tensor.located = localise(checker, direction, {n: v.shape for n, v in base.items()})
+            tensor.evidence += [f"located: {x.region} ({x.note})" for x in tensor.located]
+    finally:
+        calls.close()
 
 
 def _unresponsive_words(measured: Noise, build: str, precision: str) -> str:

@@ -319,6 +319,13 @@ def segment_length(loss_sigma: float, critical: float, slope: float) -> float:
     return critical * math.sqrt(2.0) * loss_sigma / (2.0 * slope * ROUNDING_SHARE * SETTLE_RTOL) if slope > 0 else math.inf
 
 
+def located_reserve(segments: dict[str, Segment], base: dict[str, np.ndarray]) -> int:
+    """Calls kept for locating a disagreeing segment's error: a short stencil (±h, and a smaller step at a kink)
+    and one ±h pair per halving of the tensor down to an element (log₂ of its size)."""
+    wrong = [name for name, s in segments.items() if s.outcome == "disagree"]
+    return max((2 * (math.ceil(math.log2(base[name].size)) + 2) for name in wrong), default=0)
+
+
 def _double_panels(calls: Calls, base: dict[str, np.ndarray], segment: Segment, critical: Callable[[int], float]) -> None:
     """Twice the panels: the program at the midpoints of the segment's panels (its nodes stay exact there)."""
     name = next(iter(segment.displacement))
@@ -392,6 +399,8 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
     settled = between(segments) if between is not None else set()
     tried = set()
     while True:
+        if calls.left - panels < located_reserve(segments, base):
+            return segments  # the calls left locate a disagreeing tensor's error (check._locate_float32_only)
         # an undecided segment (its panels many σ off, short of their few dof's t) first, shares or not: it may be a defect
         open_ones = [s for name, s in segments.items() if id(s) not in tried and panels <= calls.left
                      and (s.outcome == "undecided" or s.outcome == "agree" and s.resolution > SETTLE_RTOL
