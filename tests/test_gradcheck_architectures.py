@@ -159,12 +159,12 @@ def _check(build, seed, max_calls_override=None, **kwargs):
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("name", ["vit-block", "groupnorm-gelu", "mobilenet-silu"])
 def test_smooth_architectures_with_right_gradients_are_roundoff_within_the_default_budget(name, seed):
-    """Every tensor settles to ≤ 1e-4 within the float32-only default budget (13 + 9 per tensor + 18): measured 79–144
-    calls (the MobileNet block's 11 tensors were `inconclusive` at the former 64, on 4 panels)."""
+    """Every tensor settles to ≤ 1e-4 within the float32-only default budget (13 + 9 per tensor + 18), and before its
+    ceiling: measured 47–86 calls (the MobileNet block's 11 tensors were `inconclusive` at the former 64)."""
     params, program = ARCHITECTURES[name]()
     result = _check(ARCHITECTURES[name], seed)
     assert result.verdict == "roundoff", result.to_text()
-    assert result.total_calls <= result.budget == max(60, 13 + 9 * len(params) + 18)
+    assert result.total_calls < result.budget == max(60, 13 + 9 * len(params) + 18)
     assert all(t.summary()["resolution"] <= 1e-4 for t in result.tensors.values())
 
 

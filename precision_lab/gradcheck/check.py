@@ -239,7 +239,9 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
     """No float64 build: one long segment per tensor (see Segment), the verdict at the resolution it reaches."""
     claimed = oracle.claimed_precision
     storage = np.dtype(formats.STORAGE_DTYPE[claimed]) if claimed != "float64" else np.dtype("float64")
-    panels = segment_panels(calls.left, len(base))
+    # first segments as within the common default budget: 4 panels settle most smooth tensors, and the float32-only
+    # budget's calls beyond it double the panels only where a segment needs them (an undecided fit first)
+    panels = segment_panels(calls.left - max(budget - default_budget(len(base)), 0), len(base))
     try:
         if not panels:
             raise BudgetSpent
