@@ -26,6 +26,9 @@ The contract (stable, like the exchange format it reads and writes):
   gradient buffer exactly as your framework wrote it.
 * A request or response that breaks the contract (a missing or extra gradient, a wrong shape or
   dtype, NaN/Inf) raises `ProtocolError`; `run` prints it as one line and exits 2.
+* An opaque request (`model: opaque`, docs/external.md §5) comes as an `OpaqueRequest`: `request.arrays`
+  (everything the start bundle holds), `request.params` (the listed parameters), no layouts; `compute`
+  returns (loss, grads) and the response goes back in the request's format (npz or raw).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from typing import Callable
 import numpy as np
 
 from . import bundle as exchange
+from . import formats
 from .errors import LabInputError
 from .layout import check_layout, from_layout, layout_for, shape_in_layout, to_layout
 from .model import Network
@@ -104,12 +108,59 @@ def _check_choices(layout, activations) -> None:
                             f"{', '.join(ACTIVATION_LAYOUTS)}")
 
 
-def read_request(directory: str | Path, layout: str | None = None, activations: str = "NCHW") -> Request:
+@dataclass
+class OpaqueRequest:
+    """A request of the reference-free check (`model: opaque`, docs/external.md §5): every array of the start bundle,
+    the listed parameters perturbed, floats in the build's dtype. Answer `loss` and a gradient per parameter."""
+
+    path: Path
+    precision: str  # the build's: the claim (float32, …) or float64 for command_float64
+    dtype: np.dtype  # the exchange dtype of every float array
+    arrays: dict[str, np.ndarray]  # everything the start bundle holds (inputs, targets, grids, parameters, …)
+    parameter_names: tuple[str, ...]  # model.parameters, in the start bundle's order
+    raw: dict[str, dict] | None = None  # raw binaries (name → file, order): the response goes back the same way
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def params(self) -> dict[str, np.ndarray]:
+        return {name: self.arrays[name] for name in self.parameter_names}
+
+    def shape_of(self, parameter: str) -> tuple[int, ...]:
+        """The shape of `parameter` and of its gradient (an opaque model has no layout: as the array came)."""
+        return tuple(self.arrays[parameter].shape)
+
+
+def _opaque(directory: str | Path) -> bool:
+    """Does bundle.json describe an opaque model (`"model": {"opaque": true, …}`)?"""
+    try:
+        model = exchange.load_manifest(Path(directory) / exchange.MANIFEST, "").get("model")
+    except (exchange.BundleError, AttributeError):
+        return False  # read_bundle says what is wrong with it
+    return isinstance(model, dict) and model.get("opaque") is True
+
+
+def _read_opaque(directory: str | Path) -> OpaqueRequest:
+    from .candidates.opaque import read_start_bundle  # the lab's own reading of an opaque request
+
+    precision = exchange.load_manifest(Path(directory) / exchange.MANIFEST, "").get("precision")
+    try:
+        found = read_start_bundle(directory, precision if precision in formats.STORAGE_DTYPE else "float32")
+    except exchange.BundleError as exc:
+        raise ProtocolError(str(exc)) from None
+    dtype = np.dtype(formats.STORAGE_DTYPE[found.manifest["precision"]])
+    return OpaqueRequest(Path(directory), found.manifest["precision"], dtype, found.arrays, tuple(found.parameters),
+                         found.raw, found.manifest)
+
+
+def read_request(directory: str | Path, layout: str | None = None, activations: str = "NCHW") -> Request | OpaqueRequest:
     """Read and validate a request bundle (npz or raw, C or F order) into arrays in your layouts.
 
-    `layout`: your weight layout (None: the request's own); `activations`: NCHW or NHWC.
+    `layout`: your weight layout (None: the request's own); `activations`: NCHW or NHWC. An opaque request
+    (`model.opaque`) comes as an `OpaqueRequest`: its arrays as they are (it has no layouts).
     """
     _check_choices(layout, activations)
+    if _opaque(directory):
+        return _read_opaque(directory)
     try:
         found = exchange.read_bundle(directory, ("request",))
     except exchange.BundleError as exc:
@@ -172,9 +223,59 @@ def response_arrays(request: Request, loss, grads: dict, output=None) -> dict[st
     return arrays
 
 
-def write_response(directory: str | Path, request: Request, loss, grads: dict, output=None) -> Path:
+def opaque_response_arrays(request: OpaqueRequest, loss, grads: dict) -> dict[str, np.ndarray]:
+    """`loss` and `<parameter>.grad` for every listed parameter, each checked: name, shape, dtype, finite."""
+    where = f"response to {request.path}"
+    if not isinstance(grads, dict):
+        raise ProtocolError(f"{where}: gradients must be a dict {{parameter name: array}}, got {type(grads).__name__}")
+    names = request.parameter_names
+    missing = [name for name in names if name not in grads]
+    if missing:
+        raise ProtocolError(f"{where}: no gradient for {missing[0]!r} (expected one per listed parameter: "
+                            f"{', '.join(names)})")
+    extra = sorted(set(grads) - set(names))
+    if extra:
+        raise ProtocolError(f"{where}: {extra[0]!r} is not a listed parameter (model.parameters: {', '.join(names)})")
+    loss = _as_array(where, "loss", loss, request.dtype)
+    if loss.size != 1:
+        raise ProtocolError(f"{where}: 'loss' has shape {loss.shape}, expected a scalar")
+    arrays = {"loss": np.asarray(loss.reshape(()), request.dtype)}
+    for name in names:
+        grad = _as_array(where, f"{name}.grad", grads[name], request.dtype)
+        if grad.shape != request.shape_of(name):
+            raise ProtocolError(f"{where}: gradient of {name!r} has shape {grad.shape}, expected "
+                                f"{request.shape_of(name)} (the parameter's)")
+        arrays[f"{name}.grad"] = grad
+    for name, value in arrays.items():
+        if not np.isfinite(value).all():
+            raise ProtocolError(f"{where}: {name!r} holds NaN or infinite values; expected finite numbers")
+    return arrays
+
+
+def _write_opaque(directory: str | Path, request: OpaqueRequest, loss, grads: dict, output=None) -> Path:
+    if output is not None:
+        raise ProtocolError(f"response to {request.path}: an opaque response is the loss and the gradients; "
+                            f"return (loss, grads)")
+    arrays = opaque_response_arrays(request, loss, grads)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = {"format": exchange.FORMAT, "kind": "response", "precision": request.precision}
+    if request.raw is not None:  # the request's format: raw binaries in the order its parameters came in
+        orders = {f"{name}.grad": spec.get("order", "C") for name, spec in request.raw.items()}
+        manifest["arrays"] = {name: exchange.write_raw_array(directory, name, value, orders.get(name, "C"))
+                              for name, value in arrays.items()}
+    else:
+        np.savez(directory / exchange.NPZ, **arrays)
+    (directory / exchange.MANIFEST).write_text(exchange.manifest_text(manifest))
+    return directory
+
+
+def write_response(directory: str | Path, request: Request | OpaqueRequest, loss, grads: dict, output=None) -> Path:
     """Write the response bundle: `loss` (a scalar), `grads` {parameter: array in your layout}, and
-    optionally the network `output` (in your activation layout), in the request's format and layout."""
+    optionally the network `output` (in your activation layout), in the request's format and layout.
+    For an `OpaqueRequest`: `loss` and `grads` {listed parameter: array of its shape}, no output."""
+    if isinstance(request, OpaqueRequest):
+        return _write_opaque(directory, request, loss, grads, output)
     arrays = response_arrays(request, loss, grads, output)
     return exchange.write_bundle(directory, "response", request.precision, request.request_layout, arrays,
                                  raw=request.raw, network=request.network)
@@ -202,5 +303,5 @@ def run(compute: Callable[[Request], tuple], layout: str | None = None, activati
         raise SystemExit(EXIT_BAD_INPUT) from None
 
 
-__all__ = ["ACTIVATION_LAYOUTS", "ProtocolError", "Request", "read_request", "response_arrays", "run",
-           "write_response"]
+__all__ = ["ACTIVATION_LAYOUTS", "OpaqueRequest", "ProtocolError", "Request", "opaque_response_arrays", "read_request",
+           "response_arrays", "run", "write_response"]

@@ -52,10 +52,14 @@ What the check spends its program calls on, in order:
    evidence does not clear. The calls left go where each bound comes from: a segment bounded by rounding is
    tried longer, one bounded by quadrature gets twice the panels, then a shorter segment, and a tensor
    behind many kinks gets the short stencil of 2. (which crosses few of them); a tensor's verdict is its
-   best evidence's.
+   best evidence's. A panels' fit many σ off but within the t of its few dof is `undecided` (never
+   agreement) and gets twice the panels first; weights in front of a normalisation (g·w = 0 by symmetry)
+   get no scaling segment; the default budget is `float32_only_budget` (an 8-panel segment per tensor).
 4. **Localisation.** A direction that fails is restricted to halves of the tensor (rows, then
    columns, … down to single elements) to name where the gradient is wrong; a float32-only
-   error is located element by element from 3. at no extra cost.
+   error is located element by element from 3. at no extra cost. Without a float64 build, a disagreeing
+   segment's direction is halved with the short stencil of 2. where it resolves the error
+   (`_locate_float32_only`, with calls kept from the refinement for it).
 
 Verdicts: ``roundoff`` (the gradient is the derivative of the loss, to a stated resolution),
 ``defect`` (with the tensor and the directional evidence) and ``inconclusive`` (the noise or
@@ -71,14 +75,14 @@ import numpy as np
 from .. import formats
 from ..errors import LabInputError
 from .builds import COMPARISON_LINES, PERSISTENCE_LIMIT, compare_builds, excess_limit, format_index, implied_format
-from .groups import GROUP_PANELS, Share, check_groups, group_suspects
+from .groups import GROUP_PANELS, Share, check_groups, group_suspects, scale_invariant
 from .localise import Located, localise
 from .noise import NOISE_MULTIPLIERS, NOISE_MULTIPLIERS_FLOAT32, NOISE_ULPS, Noise, measure_noise
 from .points import displaced, tensor_scales, tensor_step
-from .program import BudgetSpent, Calls, Oracle, default_budget, storage_dtype
+from .program import BudgetSpent, Calls, Oracle, default_budget, float32_only_budget, storage_dtype
 from .noise import SETTLE_RTOL
 from .results import GradCheck, TensorVerdict
-from .segments import Segment, check_segments, segment_panels
+from .segments import Segment, check_segments, located_reserve, segment_panels
 from .stencils import LEVEL_FACTOR, MAX_DIRECTIONS, MAX_LEVELS, STEP_EXPONENT, Checker, Direction
 
 
@@ -91,10 +95,12 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
     started = time.perf_counter()
     base = {name: np.asarray(value, np.float64) for name, value in base.items()}
     shapes = {name: value.shape for name, value in base.items()}
-    budget = max_calls if max_calls is not None else default_budget(len(base))
     rng = np.random.default_rng(seed)
     claimed = oracle.claimed_precision
     has_float64 = bool(oracle.has_float64) and claimed != "float64"
+    float32_budget = float32_only_budget(len(base), len(NOISE_MULTIPLIERS_FLOAT32))
+    budget = (max_calls if max_calls is not None else
+              float32_budget if not has_float64 and claimed != "float64" else default_budget(len(base)))
     fd_build = "float64" if has_float64 else "claimed"
     fd_precision = "float64" if has_float64 else claimed
     fd_storage = np.dtype("float64" if fd_precision == "float64" else "float32")
@@ -116,6 +122,8 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
         if not noise[fd_build].responsive and fd_build == "float64" and claimed != "float64":
             # a float64 build that is not one is not trusted: the claimed build alone, as without one
             notes.append(_unresponsive_words(noise["float64"], "float64", "float64"))
+            if max_calls is None:  # the float32-only check's own default
+                calls.budget = budget = max(budget, float32_budget)
             at_base = calls("claimed", base)
             noise["claimed"] = measure_noise(calls, "claimed", claimed, base, at_base, scales, rng,
                                              NOISE_MULTIPLIERS_FLOAT32)
@@ -231,15 +239,23 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
     """No float64 build: one long segment per tensor (see Segment), the verdict at the resolution it reaches."""
     claimed = oracle.claimed_precision
     storage = np.dtype(formats.STORAGE_DTYPE[claimed]) if claimed != "float64" else np.dtype("float64")
-    panels = segment_panels(calls.left, len(base))
+    # first segments as within the common default budget: 4 panels settle most smooth tensors, and the float32-only
+    # budget's calls beyond it double the panels only where a segment needs them (an undecided fit first)
+    panels = segment_panels(calls.left - max(budget - default_budget(len(base)), 0), len(base))
     try:
         if not panels:
             raise BudgetSpent
         groups: list[Segment] = []
 
         def scale_groups(first: dict[str, Segment]) -> set[str]:
-            # scaling segments before any refinement: the tensors behind kinks need them most
-            groups.extend(check_groups(calls, base, at_base, noise["claimed"], first, GROUP_PANELS, storage))
+            # scaling segments before any refinement: the tensors behind kinks need them most; a tensor whose own
+            # segment disagrees is a defect already, and the calls to locate its error are kept from them
+            reserve = located_reserve(first, base)
+            calls.budget -= reserve
+            try:
+                groups.extend(check_groups(calls, base, at_base, noise["claimed"], first, GROUP_PANELS, storage))
+            finally:
+                calls.budget += reserve
             return {m for g in groups if g.outcome == "agree" for m in g.parts if Share(m, g).resolution <= SETTLE_RTOL}
         segments = check_segments(calls, base, at_base, noise["claimed"], scales, rng, panels, storage,
                                   between=scale_groups)
@@ -255,20 +271,23 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
     checker = Checker(calls, "claimed", base, at_base, noise["claimed"], noise["claimed"].loss_sigma)
     step = formats.unit_roundoff(claimed) ** STEP_EXPONENT
     multipliers = [m * LEVEL_FACTOR ** -i for i in range(MAX_LEVELS) for m in (1, -1)]
-    shares: dict[str, list[Share]] = {name: [Share(name, g) for g in groups if g.parts.get(name, 0.0) > 0]
-                                      for name in base}
+    invariant = {name for name in base if scale_invariant(name, base, at_base, noise["claimed"])}
+    # a scale-invariant tensor's part of a scaling segment is rounding: no share of it speaks for its gradient
+    shares: dict[str, list[Share]] = {name: [Share(name, g) for g in groups if g.parts.get(name, 0.0) > 0
+                                             and name not in invariant] for name in base}
     # the tensors a share settled too: a share sees the gradient only along the tensor's own values
-    kinked = sorted((s for s in segments.values() if s.rule == "panels" and s.outcome == "agree"
+    kinked = sorted((s for s in segments.values() if s.rule == "panels" and s.outcome in ("agree", "undecided")
                      and s.resolution > SETTLE_RTOL), key=lambda s: -s.resolution)
+    reserve = located_reserve(segments, base)  # kept for locating a disagreeing tensor's error
     try:
         for segment in kinked:
             name = next(iter(segment.displacement))
-            if calls.left < 2:
+            if calls.left < 2 + reserve:
                 break
             direction = checker.direction(f"{name} along a random unit direction (short stencil)",
                                           {name: tensor_step(base[name], step * scales[name], storage, multipliers, rng)})
             directions[name].append(direction)
-            while direction.outcome == "open" and calls.left >= 2:
+            while direction.outcome == "open" and calls.left >= 2 + reserve:
                 checker.advance(direction)
     finally:
         calls.close()
@@ -284,7 +303,12 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
         tensor = TensorVerdict(name, base[name].shape, segment=segment, evidence=[segment.evidence()],
                                directions=directions[name], shares=shares[name] if blind <= SETTLE_RTOL else [])
         tensor.evidence += [d.evidence() for d in directions[name]] + [x.evidence() for x in shares[name]]
-        if blind > SETTLE_RTOL and shares[name]:
+        if name in invariant:
+            tensor.evidence.append(
+                f"{name} is scale-invariant (g·w = {float(np.sum(at_base.grads[name] * base[name])):.3g}, within its "
+                f"rounding: a normalisation follows it): a segment along its own values carries no information, for a "
+                f"right gradient or one wrong by any factor, so its own segment at 45° to its gradient decides")
+        if blind > SETTLE_RTOL:  # whether or not a scaling segment ran: none could settle it
             tensor.evidence.append(f"{blind:.2g} of {name}'s gradient norm is on elements whose value is 0, which its "
                                    f"scaling segments do not move: they do not settle it")
         tensor.max_abs_err = abs(segment.residual) / (2 * segment.norm()) if segment.norm() > 0 else math.nan
@@ -302,6 +326,10 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
                 tensor.max_abs_err = abs(group.residual) / (2 * reach) if reach > 0 else math.nan
                 tensor.bound_ratio = abs(group.residual) / group.bound if group.bound > 0 else math.inf
                 tensor.evidence.append(words)
+        elif segment.outcome == "undecided":  # its own segment many σ off: no share may call it roundoff
+            tensor.verdict = "inconclusive"
+            tensor.settle = (f"{segment.suspect} (--max-calls: {len(segment.nodes) - 1} panels were what the calls "
+                             f"allowed)")
         elif resolution <= SETTLE_RTOL:
             tensor.verdict = "roundoff"
         else:
@@ -310,6 +338,7 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
                              f"(settled needs {SETTLE_RTOL:g}; {segment.statistic}): give the candidate a "
                              f"command_float64 (the same program in double precision), or more calls (--max-calls)")
         tensors[name] = tensor
+    _locate_float32_only(calls, checker, tensors, segments, base, scales, storage, step, multipliers, rng)
     for name in {m for group in undecided for m in group}:
         if tensors[name].verdict != "defect":
             tensors[name].verdict = "inconclusive"
@@ -320,6 +349,38 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
     verdict = "defect" if "defect" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "roundoff")
     return GradCheck(oracle.name, claimed, False, verdict, tensors, [], None, noise, dict(calls.counts), budget,
                      time.perf_counter() - started, calls.program_s, seed, notes + unexplained, undecided)
+
+
+def _locate_float32_only(calls, checker, tensors, segments, base, scales, storage, step, multipliers, rng) -> None:
+    """A float32-only defect located below the tensor where the check's own evidence allows: the short stencil
+    (h = u^(1/3)·‖w‖) along the disagreeing segment's direction resolves g·d to ~u^(2/3)·cond (1e-4 – 1e-2), so an
+    error above that is halved down to its region (`localise`); one below it, or one without calls, is not."""
+    try:
+        for tensor in (t for t in tensors.values() if t.verdict == "defect" and not t.located):
+            segment = segments[tensor.name]
+            if segment.outcome != "disagree":
+                tensor.evidence.append("not located below the tensor: its disagreement is a scaling segment's, along "
+                                       "its values, which every element shares in proportion to itself")
+                continue
+            if calls.left < 2:
+                tensor.evidence.append("not located below the tensor: no calls left for short stencils (--max-calls)")
+                continue
+            unit = segment.displacement[tensor.name] / max(float(np.linalg.norm(segment.displacement[tensor.name])), 1e-300)
+            direction = checker.direction(f"{tensor.name} along its disagreeing segment (short stencil)",
+                                          {tensor.name: tensor_step(base[tensor.name], step * scales[tensor.name], storage,
+                                                                    multipliers, rng, unit=unit)})
+            while direction.outcome == "open" and calls.left >= 2:
+                checker.advance(direction)
+            tensor.directions.append(direction)
+            tensor.evidence.append(direction.evidence())
+            if direction.outcome != "disagree":
+                tensor.evidence.append(f"not located below the tensor: the short stencil along the segment's direction "
+                                       f"does not resolve its error ({direction.outcome})")
+                continue
+            tensor.located = localise(checker, direction, {n: v.shape for n, v in base.items()})
+            tensor.evidence += [f"located: {x.region} ({x.note})" for x in tensor.located]
+    finally:
+        calls.close()
 
 
 def _unresponsive_words(measured: Noise, build: str, precision: str) -> str:

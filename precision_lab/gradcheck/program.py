@@ -23,9 +23,24 @@ class GradCheckError(LabInputError):
     """A program's answer the check cannot use (shape, dtype, non-finite values): exit code 2."""
 
 
+#: a float32-only check's calls beyond its noise line: per tensor one segment of 8 panels (7 dof for the panels' fit,
+#: whose Student t is 7.9 instead of 28 on 4 panels; the ratio test on 2, 4, 8 panels, where on 4 the 1-panel
+#: trapezoid is not yet like h²) and a moved centre (a bias longer than itself), and this many scaling segments
+#: (8 panels and their shared centre)
+SEGMENT_CALLS, SCALING_SEGMENTS = 9, 2
+
+
 def default_budget(n_tensors: int) -> int:
     """Program calls a check may spend: 60 for up to 10 tensors, 4 per tensor beyond."""
     return max(60, BUDGET_BASE + BUDGET_PER_TENSOR * n_tensors)
+
+
+def float32_only_budget(n_tensors: int, noise_points: int) -> int:
+    """Program calls a float32-only check may spend: the base and its noise line, an 8-panel segment (and a moved
+    centre) per tensor and two scaling segments, never below `default_budget`: a ceiling, the calls beyond
+    `default_budget` double the panels where a segment needs them (measured: a MobileNet block with BatchNorm,
+    11 tensors, `inconclusive` at 64 calls, `roundoff` in 83–86 of 130)."""
+    return max(default_budget(n_tensors), 1 + noise_points + SEGMENT_CALLS * n_tensors + SCALING_SEGMENTS * SEGMENT_CALLS)
 
 
 @dataclass

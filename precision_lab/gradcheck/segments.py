@@ -59,6 +59,7 @@ class Segment:
     quadrature: float = math.nan  # the quadrature part of the bound (smooth rules)
     scale_floor: float = 0.0  # the model's RMS gradient element × the segment's length
     centre: np.ndarray | None = None  # the tensor's value at t = 0 (w, or w on a coarser grid: see segment_step)
+    suspect: str = ""  # the panels' fit lies beyond the noise's Student t but within its own (few dof): undecided
     parts: dict[str, float] = field(default_factory=dict)  # a group segment's |∫ g_m·Δ_m| per member (check_groups)
 
     @property
@@ -111,14 +112,28 @@ class Segment:
         residuals = np.diff(losses) - integrals + curvature
         weight = float(np.sum(integrals ** 2))
         slope = float(np.sum(residuals * integrals)) / weight if weight > 0 else 0.0
-        spread = math.sqrt(float(np.sum((residuals - slope * integrals) ** 2)) / (panels - 1))
-        spread = max(spread, rounding / math.sqrt(panels))
+        scatter = math.sqrt(float(np.sum((residuals - slope * integrals) ** 2)) / (panels - 1))
+        floor = rounding / math.sqrt(panels)
+        # each σ pays its own Student t: the panels' scatter its panels − 1 dof, the rounding floor the noise line's
+        # dof (σ_L, σ_f measured there); the larger bound is a valid 1e-4 test either way (the scatter's t is exact for
+        # any size of the scatter, the floor's holds when the panels hold nothing but rounding)
+        spread, spread_dof = max((critical(panels - 1) * scatter, scatter, panels - 1),
+                                 (critical(self.dof) * floor, floor, self.dof))[1:]
+        self.suspect = ""
         if weight > 0:
             # ε is the gradient's relative error along Δ; on the scale of ∫|f| (∫f itself may cancel to ~0)
             standard_error = spread / math.sqrt(weight)
-            panel_residual, panel_bound = -slope * self.scale, critical(panels - 1) * standard_error * self.scale
+            panel_residual, panel_bound = -slope * self.scale, critical(spread_dof) * standard_error * self.scale
             panel_words = (f"the {panels} panels' residuals against their integrals give a relative error {-slope:.2g} ± "
-                           f"{standard_error:.2g} (Student t, {panels - 1} dof)")
+                           f"{standard_error:.2g} (Student t, {spread_dof} dof)")
+            sigmas = abs(slope) / standard_error if standard_error > 0 else math.inf
+            if critical(self.dof) < sigmas and abs(panel_residual) <= panel_bound:
+                # beyond what the noise line's Student t (the test of every other comparison) allows, within what the
+                # panels' few dof allow: neither agreement nor evidence yet; more panels (more dof) decide
+                self.suspect = (f"the panels' relative error {-slope:.2g} is {sigmas:.3g}σ from zero, beyond the "
+                                f"{critical(self.dof):.3g}σ of the noise's {self.dof} dof but short of the "
+                                f"{critical(spread_dof):.3g}σ its {spread_dof} dof need at {ALPHA:g} false alarms: "
+                                f"not agreement; more panels decide")
         else:  # the gradient says the loss does not change along Δ: then ΔL must be rounding (the panels' scatter
             # is the loss's own change here, not rounding: it would vouch for a gradient left at zero)
             panel_residual, panel_bound = delta_l, critical(self.dof) * rounding
@@ -164,8 +179,9 @@ class Segment:
                 self.rule, self.residual, self.bound = "panels", panel_residual, max(panel_bound, abs(self.residual))
         else:
             self.rule, self.integral, self.residual, self.bound = "panels", fine, panel_residual, panel_bound
-            self.statistic = (f"the trapezoid sums do not converge like h² (ratio {self.ratio:.3g}): kinks; "
-                              f"{panel_words}")
+            # on 4 panels the ratio compares the 1-panel trapezoid, not yet like h² for a smooth f either: it cannot say kinks
+            cause = "kinks" if panels >= 8 else f"kinks, or a curvature {panels} panels do not resolve yet"
+            self.statistic = f"the trapezoid sums do not converge like h² (ratio {self.ratio:.3g}): {cause}; {panel_words}"
             block = self._jump_free_block(residuals, integrals, curvature, critical)
             if block is not None and block[3] / block[4] < panel_bound / self.scale:
                 first, last, block_residual, block_bound, block_scale = block
@@ -179,11 +195,13 @@ class Segment:
                     self.rule, self.integral = "jump-free panels", float(np.sum(integrals[first:last + 1]))
                     self.residual = block_residual * self.scale / block_scale
                     self.bound = block_bound * self.scale / block_scale
-                    self.statistic = (f"the trapezoid sums do not converge like h² (ratio {self.ratio:.3g}): kinks; "
-                                      f"{words}")
+                    self.statistic = f"the trapezoid sums do not converge like h² (ratio {self.ratio:.3g}): {cause}; {words}"
                 else:
                     self.statistic += f"; {words}, but the panels do not disagree: a jump beyond its allowance"
         self.outcome = "agree" if abs(self.residual) <= self.bound else "disagree"
+        if self.outcome == "agree" and self.suspect and self.rule in ("panels", "jump-free panels"):
+            self.outcome = "undecided"  # a residual many σ from zero is not agreement, whatever the bound
+            self.statistic += f"; {self.suspect}"
 
     def _jump_free_block(self, residuals: np.ndarray, integrals: np.ndarray, curvature: np.ndarray,
                          critical: Callable[[int], float]) -> tuple[int, int, float, float, float] | None:
@@ -222,7 +240,8 @@ class Segment:
         return best
 
     def evidence(self) -> str:
-        words = {"agree": "agrees within its bound", "disagree": f"disagrees ({abs(self.residual) / self.bound if self.bound > 0 else math.inf:.3g}× its bound)"}
+        words = {"agree": "agrees within its bound", "undecided": "undecided (neither agreement nor evidence of a defect)",
+                 "disagree": f"disagrees ({abs(self.residual) / self.bound if self.bound > 0 else math.inf:.3g}× its bound)"}
         return (f"{self.label}: over a segment of length {2 * self.norm():.3g} the loss changes by "
                 f"{self.losses[-1] - self.losses[0]:.10g}, the gradient integrates to {self.integral:.10g} (difference "
                 f"{self.residual:.3g}, bound {self.bound:.3g} = rounding and quadrature; relative "
@@ -300,6 +319,26 @@ def segment_length(loss_sigma: float, critical: float, slope: float) -> float:
     return critical * math.sqrt(2.0) * loss_sigma / (2.0 * slope * ROUNDING_SHARE * SETTLE_RTOL) if slope > 0 else math.inf
 
 
+def located_reserve(segments: dict[str, Segment], base: dict[str, np.ndarray]) -> int:
+    """Calls kept for locating a disagreeing segment's error: a short stencil (±h, and a smaller step at a kink)
+    and one ±h pair per halving of the tensor down to an element (log₂ of its size)."""
+    wrong = [name for name, s in segments.items() if s.outcome == "disagree"]
+    return max((2 * (math.ceil(math.log2(base[name].size)) + 2) for name in wrong), default=0)
+
+
+def _double_panels(calls: Calls, base: dict[str, np.ndarray], segment: Segment, critical: Callable[[int], float]) -> None:
+    """Twice the panels: the program at the midpoints of the segment's panels (its nodes stay exact there)."""
+    name = next(iter(segment.displacement))
+    midpoints = (segment.nodes[1:] + segment.nodes[:-1]) / 2
+    answers = [calls("claimed", displaced({**base, name: segment.centre}, segment.displacement, float(t)))
+               for t in midpoints]
+    order = np.argsort(np.concatenate([segment.nodes, midpoints]))
+    segment.nodes = np.concatenate([segment.nodes, midpoints])[order]
+    segment.losses = np.concatenate([segment.losses, [a.loss for a in answers]])[order]
+    segment.slopes = np.concatenate([segment.slopes, [dot(a.grads, segment.displacement) for a in answers]])[order]
+    segment.evaluate(critical)
+
+
 def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation, noise: Noise,
                    scales: dict[str, float], rng: np.random.Generator, panels: int, storage: np.dtype,
                    between: Callable[[dict[str, Segment]], set[str]] | None = None) -> dict[str, Segment]:
@@ -352,14 +391,23 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
 
     # every tensor's first segment before any refinement: the calls for the ones still to run are reserved
     segments = {name: run(name, first_length(name), panels * (len(base) - 1 - i)) for i, name in enumerate(base)}
+    # an undecided segment (its panels many σ off, within the t of their few dof) gets twice the panels before any
+    # scaling segment: a suspicion is decided on the tensor's own evidence first (4 panels: t = 28 at 3 dof, 7.9 at 7)
+    for segment in sorted((s for s in segments.values() if s.outcome == "undecided"), key=lambda s: -abs(s.residual)):
+        if len(segment.nodes) - 1 < 2 * panels and len(segment.nodes) - 1 <= calls.left:
+            _double_panels(calls, base, segment, critical)
     settled = between(segments) if between is not None else set()
     tried = set()
     while True:
-        open_ones = [s for name, s in segments.items() if s.outcome == "agree" and s.resolution > SETTLE_RTOL
-                     and id(s) not in tried and panels <= calls.left and name not in settled]
+        if calls.left - panels < located_reserve(segments, base):
+            return segments  # the calls left locate a disagreeing tensor's error (check._locate_float32_only)
+        # an undecided segment (its panels many σ off, short of their few dof's t) first, shares or not: it may be a defect
+        open_ones = [s for name, s in segments.items() if id(s) not in tried and panels <= calls.left
+                     and (s.outcome == "undecided" or s.outcome == "agree" and s.resolution > SETTLE_RTOL
+                          and name not in settled)]
         if not open_ones:
             return segments
-        segment = max(open_ones, key=lambda s: s.resolution)
+        segment = max(open_ones, key=lambda s: (s.outcome == "undecided", s.resolution))
         tried.add(id(segment))
         name = next(iter(segment.displacement))
         length = segment.norm()
@@ -375,14 +423,7 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
                           SEGMENT_STRETCH)
             other = run(name, length * stretch)
         elif len(segment.nodes) - 1 < 2 * panels:
-            midpoints = (segment.nodes[1:] + segment.nodes[:-1]) / 2
-            answers = [calls("claimed", displaced({**base, name: segment.centre}, segment.displacement, float(t)))
-                       for t in midpoints]
-            order = np.argsort(np.concatenate([segment.nodes, midpoints]))
-            segment.nodes = np.concatenate([segment.nodes, midpoints])[order]
-            segment.losses = np.concatenate([segment.losses, [a.loss for a in answers]])[order]
-            segment.slopes = np.concatenate([segment.slopes, [dot(a.grads, segment.displacement) for a in answers]])[order]
-            segment.evaluate(critical)
+            _double_panels(calls, base, segment, critical)
             tried.discard(id(segment))
             continue
         else:
