@@ -47,6 +47,9 @@ CASES = [
     pytest.param("jax.yaml", 0, "\nverdict: roundoff", marks=_needs("jax")),
     pytest.param("jax-slip.yaml", 1, "\nverdict: layout (layout HWIO)", marks=_needs("jax")),
     pytest.param("jax-same.yaml", 0, "\nverdict: roundoff", marks=_needs("jax")),
+    pytest.param("jax-dncnn-bn.yaml", 0, "\nverdict: roundoff", marks=_needs("jax")),
+    pytest.param("jax-dncnn-bn-slip.yaml", 1, "\nverdict: defect (every batch norm backward treats the batch statistics "
+                 "as constants", marks=_needs("jax")),
     pytest.param("tensorflow.yaml", 0, "\nverdict: roundoff", marks=_needs("tensorflow")),
     pytest.param("tensorflow-slip.yaml", 1, "\nverdict: layout (layout HWIO)", marks=_needs("tensorflow")),
     pytest.param("tensorflow-same.yaml", 0, "\nverdict: roundoff", marks=_needs("tensorflow")),
