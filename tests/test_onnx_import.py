@@ -449,3 +449,25 @@ def test_a_keras_decoder_taking_and_giving_nhwc_reads_its_last_transpose_as_the_
     assert [layer.op for layer in network.layers] == ["conv_transpose2d", "relu", "conv_transpose2d"]
     assert network.input_channels == 3 and network.shapes(6, 5)[-1] == (2, 35, 29)  # 6×5 → 12×10 → (12 − 1)·3 − 4 + 2·2 + 1 + 1
     _agrees_with_onnx(path, network, params, 6, 5, nhwc=True, nhwc_out=True)
+
+
+@pytest.mark.parametrize("pads, output_padding, read_as", [
+    ([1, 1, 0, 0], [0, 0], ((1, 1), (1, 1))),  # [top, left, bottom, right]: one more row and column at the start
+    ([2, 2, 1, 0], [0, 1], ((2, 2), (1, 3))),  # the end's crop lessened by output_padding
+    ([1, 2, 1, 2], [2, 1], ((1, 2), (2, 1)))])  # symmetric: PyTorch's own export
+def test_a_transposed_convolution_cropping_more_at_the_start_reads_as_output_padding(tmp_path, pads, output_padding,
+                                                                                      read_as):
+    node = helper.make_node("ConvTranspose", ["x", "up/kernel", "up/bias"], ["y"], strides=[4, 4], pads=pads,
+                            output_padding=output_padding, name="up")
+    path = _save(tmp_path / "up.onnx", [node], {"up/kernel": _weights(2, 3, 5, 5), "up/bias": _weights(3)})
+    network, params = read_onnx(path)
+    attrs = network.layers[0].attrs
+    assert (attrs["padding"], attrs["output_padding"]) == read_as
+    _agrees_with_onnx(path, network, params, 5, 6)
+
+
+def test_a_transposed_convolution_cropping_more_at_the_end_is_refused_in_one_line(tmp_path):
+    node = helper.make_node("ConvTranspose", ["x", "up/kernel"], ["y"], strides=[2, 2], pads=[0, 1, 1, 1], name="up")
+    path = _save(tmp_path / "up.onnx", [node], {"up/kernel": _weights(2, 3, 3, 3)})
+    with pytest.raises(ModelSpecError, match="crop more at the end of an axis than at its start"):
+        read_onnx(path)
