@@ -64,14 +64,15 @@ def from_module(module: nn.Module, input_channels: int | None = None, loss: str 
     """A Network from an nn.Sequential or a torch.fx-traceable module built from supported ops.
 
     Parameter names stay PyTorch's (`state_dict` keys). `input_channels` defaults to the first
-    conv2d's in_channels; `loss` is "mse" or "cross_entropy" (a module does not say).
+    convolution's in_channels (plain or transposed); `loss` is "mse" or "cross_entropy" (a module does not say).
     """
     layers = _sequential_layers(module) if isinstance(module, nn.Sequential) else _traced_layers(module)
     if not layers:
         raise ModelSpecError(f"{type(module).__name__}: no layers found")
     if input_channels is None:
         first = next((layer for layer in layers if OPS[layer["op"]].parametrised), None)
-        if first is None or not OPS[first["op"]].windowed:
+        # a convolution, plain or transposed (its kernel slides over an image): its `in` is the image's channels
+        if first is None or "kernel" not in OPS[first["op"]].keys:
             raise ModelSpecError(f"{type(module).__name__}: give input_channels (the first layer is not a convolution)")
         input_channels = first["in"]
     spec = {"input_channels": input_channels, "layers": layers, "loss": loss}

@@ -157,6 +157,9 @@ class _Importer:
             if loss in LOSSES and node.outputs[0] == self.output and self._loss_takes(LOSSES[loss], node):
                 self.producer[self.output] = self._producer(node, self.graph.data_inputs(node)[0])
                 continue
+            if self._nhwc_output(node):
+                self.producer[self.output] = self._producer(node, node.inputs[0])
+                continue
             read = self._read(node)
             absorbed.update(id(n) for n in read.absorbed)
             self._carry_feature_order(node, read)
@@ -176,6 +179,12 @@ class _Importer:
                 raise ModelSpecError(f"{self.where}: {parameter} reads as {list(self.params[parameter].shape)}, "
                                      f"the spec wants {list(shape)}")
         return network, self.params
+
+    def _nhwc_output(self, node: OnnxNode) -> bool:
+        """Whether `node` is the NCHW → NHWC Transpose of an image that a graph taking NHWC gives as its output (tf2onnx's
+        Keras layout, in and out): read as the identity, since the loss and the target follow the output's layout."""
+        return (self.nhwc is not None and node.outputs[0] == self.output and node.op_type == "Transpose"
+                and list(node.attrs.get("perm", [])) == [0, 2, 3, 1] and len(self.shapes.get(node.inputs[0], ())) == 3)
 
     def _loss_takes(self, loss, node: OnnxNode) -> bool:
         """Whether the graph's last node belongs to the loss (a classifier's final softmax under cross_entropy)."""

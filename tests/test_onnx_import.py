@@ -45,11 +45,12 @@ def _save(path, nodes, initializers: dict, channels: int = 2, opset: int = 17, i
     return path
 
 
-def _agrees_with_onnx(path, network, params, height=16, width=16, nhwc=False):
+def _agrees_with_onnx(path, network, params, height=16, width=16, nhwc=False, nhwc_out=False):
     """The spec with the imported parameters computes what ONNX's reference evaluator computes from the file
-    (`nhwc`: the file reads the same images (N, H, W, C))."""
+    (`nhwc`: the file reads the same images (N, H, W, C); `nhwc_out`: it gives its output so too)."""
     x = RNG.standard_normal((2, network.input_channels, height, width))
     expected = ReferenceEvaluator(str(path)).run(None, {"x": x.transpose(0, 2, 3, 1) if nhwc else x})[0]
+    expected = expected.transpose(0, 3, 1, 2) if nhwc_out else expected
     module = SpecModule(network, dtype=torch.float64)
     module.load_state_dict({name: torch.from_numpy(value).double() for name, value in params.items()})
     got = module(torch.from_numpy(x)).detach().numpy()
@@ -429,3 +430,44 @@ def test_a_softmax_over_every_axis_at_once_is_not_the_classifiers(tmp_path):
         read_onnx(path, loss="cross_entropy")
     _save(tmp_path / "seg.onnx", [conv, helper.make_node("Softmax", ["c"], ["y"], axis=1)], weights, opset=13)
     assert read_onnx(tmp_path / "seg.onnx", loss="cross_entropy")[0].layers[-1].op == "conv2d"
+
+
+def test_a_keras_decoder_taking_and_giving_nhwc_reads_its_last_transpose_as_the_layout_of_the_output(tmp_path):
+    """tf2onnx without --inputs-as-nchw/--outputs-as-nchw: NHWC in, NHWC out, weights under the exporter's names."""
+    up1, up2 = "model/conv2d_transpose/conv2d_transpose/ReadVariableOp:0", "const_fold_opt__42"
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 3, 1, 2], name="model/transpose"),
+             helper.make_node("ConvTranspose", ["t", up1, "model/conv2d_transpose/BiasAdd/ReadVariableOp:0"], ["u1"],
+                              strides=[2, 2], pads=[1, 1, 1, 1], kernel_shape=[4, 4], name="model/conv2d_transpose"),
+             helper.make_node("Relu", ["u1"], ["r"], name="model/re_lu/Relu"),
+             helper.make_node("ConvTranspose", ["r", up2, "const_fold_opt__43"], ["u2"], strides=[3, 3],
+                              dilations=[2, 2], pads=[2, 2, 2, 2], output_padding=[1, 1], name="model/up2"),
+             helper.make_node("Transpose", ["u2"], ["y"], perm=[0, 2, 3, 1], name="model/transpose_1")]
+    weights = {up1: _weights(3, 8, 4, 4), "model/conv2d_transpose/BiasAdd/ReadVariableOp:0": _weights(8),
+               up2: _weights(8, 2, 3, 3), "const_fold_opt__43": _weights(2)}
+    path = _save(tmp_path / "decoder.onnx", nodes, weights, input_shape=["N", "H", "W", 3])
+    network, params = read_onnx(path)
+    assert [layer.op for layer in network.layers] == ["conv_transpose2d", "relu", "conv_transpose2d"]
+    assert network.input_channels == 3 and network.shapes(6, 5)[-1] == (2, 35, 29)  # 6×5 → 12×10 → (12 − 1)·3 − 4 + 2·2 + 1 + 1
+    _agrees_with_onnx(path, network, params, 6, 5, nhwc=True, nhwc_out=True)
+
+
+@pytest.mark.parametrize("pads, output_padding, read_as", [
+    ([1, 1, 0, 0], [0, 0], ((1, 1), (1, 1))),  # [top, left, bottom, right]: one more row and column at the start
+    ([2, 2, 1, 0], [0, 1], ((2, 2), (1, 3))),  # the end's crop lessened by output_padding
+    ([1, 2, 1, 2], [2, 1], ((1, 2), (2, 1)))])  # symmetric: PyTorch's own export
+def test_a_transposed_convolution_cropping_more_at_the_start_reads_as_output_padding(tmp_path, pads, output_padding,
+                                                                                      read_as):
+    node = helper.make_node("ConvTranspose", ["x", "up/kernel", "up/bias"], ["y"], strides=[4, 4], pads=pads,
+                            output_padding=output_padding, name="up")
+    path = _save(tmp_path / "up.onnx", [node], {"up/kernel": _weights(2, 3, 5, 5), "up/bias": _weights(3)})
+    network, params = read_onnx(path)
+    attrs = network.layers[0].attrs
+    assert (attrs["padding"], attrs["output_padding"]) == read_as
+    _agrees_with_onnx(path, network, params, 5, 6)
+
+
+def test_a_transposed_convolution_cropping_more_at_the_end_is_refused_in_one_line(tmp_path):
+    node = helper.make_node("ConvTranspose", ["x", "up/kernel"], ["y"], strides=[2, 2], pads=[0, 1, 1, 1], name="up")
+    path = _save(tmp_path / "up.onnx", [node], {"up/kernel": _weights(2, 3, 3, 3)})
+    with pytest.raises(ModelSpecError, match="crop more at the end of an axis than at its start"):
+        read_onnx(path)

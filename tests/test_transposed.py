@@ -101,6 +101,43 @@ def test_pytorchs_own_float32_run_of_the_autoencoder_is_rounding(seed):
     assert judgement.verdict == "roundoff", judgement.to_text()
 
 
+class Generator(nn.Module):
+    """A DCGAN-style generator from a 16-channel 4×4 image: transposed convolutions 4/2/1 doubling the side, tanh."""
+
+    def __init__(self):
+        super().__init__()
+        self.up1, self.up2 = nn.ConvTranspose2d(16, 32, 4, 2, 1), nn.ConvTranspose2d(32, 16, 4, 2, 1)
+        self.up3 = nn.ConvTranspose2d(16, 1, 4, 2, 1)
+
+    def forward(self, x):
+        return torch.tanh(self.up3(F.relu(self.up2(F.relu(self.up1(x))))))
+
+
+class ScaledWeightGradient(Rule):
+    """A port whose weight gradient is 1% too large (a wrong normalisation constant)."""
+
+    def forward(self, attrs, xs, params, kernels):
+        return OP.forward(attrs, xs, params, kernels)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        (h,), grads = OP.backward(attrs, g, xs, y, params, kernels, need)
+        return [h], dict(grads, weight=grads["weight"] * 1.01)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_generator_starting_with_a_transposed_convolution_reads_its_channels_and_is_judged(seed):
+    torch.manual_seed(seed)
+    network = from_module(Generator(), name="generator")  # its first layer's in_channels: the input's
+    assert network.input_channels == 16 and network.shapes(4, 4)[-1] == (1, 32, 32)
+    problem = make_problem(4, 2, seed, network=network)
+    ref = reference(problem)
+    judgement = judge(autograd_forward_backward(problem, "float32"), ref)
+    assert judgement.verdict == "roundoff", judgement.to_text()
+    scaled = judge(forward_backward(problem, "float32", rules={network.index_of("up2"): ScaledWeightGradient()}), ref)
+    assert scaled.verdict == "defect" and scaled.quantities["up2.weight"].verdict == "defect"
+    assert scaled.cause is not None and "scaled by a constant 1.01" in scaled.cause, scaled.to_text()
+
+
 class ZeroInserted(Rule):
     """A right port of a groups-1 transposed convolution that sums in another order: a stride-1 convolution over
     the zero-inserted, padded input with the kernel rotated by 180° and its channels swapped; backward by autograd."""

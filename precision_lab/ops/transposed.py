@@ -122,7 +122,8 @@ class ConvTranspose2d(Op):
 
     def from_onnx_node(self, node, graph):
         """ONNX ConvTranspose: its weight (in, out/group, kH, kW) is PyTorch's; explicit pads only (an exporter's
-        output_shape or auto_pad leave the crop to be inferred: export with explicit pads)."""
+        output_shape or auto_pad leave the crop to be inferred: export with explicit pads), the start's at least the
+        end's on each axis."""
         weight = graph.constant(node.inputs[1])
         require(weight is not None and weight.ndim == 4, "its weight is not a constant 4-D tensor (a 2-D transposed "
                 "convolution with weights as an initializer)")
@@ -130,12 +131,16 @@ class ConvTranspose2d(Op):
         require(list(attr(node, "kernel_shape", [kh, kw])) == [kh, kw], "kernel_shape differs from its weight's")
         require(attr(node, "auto_pad", "NOTSET") == "NOTSET" and attr(node, "output_shape", None) is None,
                 "auto_pad or output_shape instead of explicit pads: export with pads and output_padding")
-        pads = pads_tblr(attr(node, "pads", [0, 0, 0, 0]))
-        require(pads[0] == pads[1] and pads[2] == pads[3], f"pads {pads} differ between the sides of an axis")
+        top, bottom, left, right = pads_tblr(attr(node, "pads", [0, 0, 0, 0]))
+        extra_h, extra_w = (int(v) for v in attr(node, "output_padding", [0, 0]))
+        # ONNX crops pads_begin at an axis's start and pads_end − output_padding at its end, PyTorch padding at both
+        # ends and then adds output_padding: the same with padding = pads_begin when the start's crop is the larger
+        extra = [top - bottom + extra_h, left - right + extra_w]
+        require(min(extra) >= 0, f"pads [top {top}, bottom {bottom}, left {left}, right {right}] crop more at the "
+                "end of an axis than at its start (padding crops both ends alike, output_padding adds at the end)")
         group = int(attr(node, "group", 1))
         attrs = {"in": channels_in, "out": per_group * group, "kernel": [kh, kw],
-                 "stride": list(attr(node, "strides", [1, 1])), "padding": [pads[0], pads[2]],
-                 "output_padding": list(attr(node, "output_padding", [0, 0])),
+                 "stride": list(attr(node, "strides", [1, 1])), "padding": [top, left], "output_padding": extra,
                  "dilation": list(attr(node, "dilations", [1, 1])), "groups": group}
         self.normalise({**attrs, "bias": False})  # its refusals (output_padding ≥ stride) in its own words
         return _with_bias(OnnxRead(attrs, graph.data_inputs(node), node.outputs[0], params={"weight": weight},
