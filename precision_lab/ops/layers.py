@@ -549,7 +549,7 @@ def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext, g_
         channels = [c for c in range(g.shape[1]) if g_repeats[c]]
         if channels:
             picked = g[:, channels]
-            columns = (picked.permute(0, 2, 3, 1) if g.dim() == 4 else picked).reshape(n, -1)
+            columns = picked.movedim(1, -1).reshape(n, -1)  # (batch, rows, columns[, tokens]) order, a channel each
             grid = (g.shape[0], g.shape[2], g.shape[3]) if g.dim() == 4 else None
             drift = roundoff.column_drift(roundoff.as_terms(columns, ctx.precision), grid, ctx.precision)
             drifted = torch.zeros(own.shape, dtype=torch.bool, device=own.device)

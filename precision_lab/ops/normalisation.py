@@ -1,4 +1,4 @@
-"""Normalisation: batch_norm2d (training and evaluation mode) and group_norm.
+"""Normalisation: batch_norm2d (training and evaluation mode), group_norm and layer_norm (over the last axis).
 
 y = γ·x̂ + β, x̂ = (x − μ)·r, r = 1/√(v + ε), with μ and the biased variance v of each statistics group (a channel
 over the batch's N·H·W pixels in training mode; the running statistics, constants of the spec, in evaluation mode;
@@ -85,8 +85,6 @@ class Normalisation(Op):
     reads_error_backward = True
     #: axes of the viewed tensor the statistics are taken over
     stat_dims: tuple = ()
-    #: axes of the (N, C, H, W) gradient the affine parameters' gradients sum over
-    param_dims: tuple = (0, 2, 3)
 
     def check(self, attrs):
         if attrs["channels"] is not None:
@@ -129,6 +127,15 @@ class Normalisation(Op):
 
     def affine(self, attrs, p: torch.Tensor) -> torch.Tensor:
         return p.view(1, -1, 1, 1)
+
+    def channel_first(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` with the affine parameters' axis at 1 (an image's channels already are): their gradients sum the rest."""
+        return t
+
+    def param_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Σ over every axis but the affine parameters' (a weight or bias gradient's sum)."""
+        t = self.channel_first(t)
+        return t.sum(dim=_all_but_channels(t))
 
     def uses_batch_statistics(self, attrs) -> bool:
         return True
@@ -174,7 +181,7 @@ class Normalisation(Op):
         xhat, r = self.normalised(attrs, x)
         grads = {}
         if "weight" in params:
-            grads = {"weight": (g * xhat).sum(dim=self.param_dims), "bias": g.sum(dim=self.param_dims)}
+            grads = {"weight": self.param_sum(g * xhat), "bias": self.param_sum(g)}
         if not need[0]:
             return [None], grads
         h = g * self.affine(attrs, params["weight"]) if "weight" in params else g
@@ -260,18 +267,22 @@ class Normalisation(Op):
         gam, _ = self._gamma_beta(attrs, params, gd)
         parts = {}
         if "weight" in params:
-            n = g.numel() // g.shape[1]
-            abs_sum = (gd * xhat).abs().sum(dim=self.param_dims)
-            own = ctx.gamma(n) * abs_sum + (gd.abs() * own_xhat).sum(dim=self.param_dims)
-            propagated = (eg * (xhat.abs() + e_xhat) + gd.abs() * (e_xhat - own_xhat)).sum(dim=self.param_dims)
+            first = self.channel_first(g)
+            n = first.numel() // first.shape[1]
+            abs_sum = self.param_sum((gd * xhat).abs())
+            own = ctx.gamma(n) * abs_sum + self.param_sum(gd.abs() * own_xhat)
+            propagated = self.param_sum(eg * (xhat.abs() + e_xhat) + gd.abs() * (e_xhat - own_xhat))
             if grad.flips is not None:
-                propagated = propagated + (grad.flips.double() * (xhat.abs() + e_xhat)).sum(dim=self.param_dims)
+                propagated = propagated + self.param_sum(grad.flips.double() * (xhat.abs() + e_xhat))
             flips = grad.flip_count + ins[0].flips
             from .layers import _bias_parts
 
-            chi = roundoff.dependency_count(grad.radius, g.shape[2] * g.shape[3], coupled_terms(n, grad))
+            # the terms of one sample: its pixels (an image), its tokens (a layer norm's rows), or one (features)
+            chi = roundoff.dependency_count(grad.radius, first[0].numel() // first.shape[1], coupled_terms(n, grad))
+            moved = GradField(self.channel_first(grad.error), None if grad.flips is None else self.channel_first(
+                grad.flips), grad.radius, grad.flip_count, coupled=grad.coupled)
             parts = {"weight": Parts(n, abs_sum, own, 0.0, propagated, flips),
-                     "bias": _bias_parts(g, g.abs(), grad, self.param_dims, chi, ctx)}
+                     "bias": _bias_parts(first, first.abs(), moved, _all_but_channels(first), chi, ctx)}
         if not need[0]:
             return [None], parts
         h = gd * gam
@@ -357,6 +368,10 @@ class Normalisation(Op):
                  SharedDraw(self.view(attrs, r * (t - 2 * xhat * b)), sigma_r.expand(group))]]
 
 
+def _all_but_channels(t: torch.Tensor) -> tuple:
+    return tuple(d for d in range(t.dim()) if d != 1)
+
+
 def _group_shape(shape, dims) -> tuple:
     return tuple(1 if i in dims else s for i, s in enumerate(shape))
 
@@ -372,14 +387,17 @@ class StatisticsSlip(Rule):
     def __init__(self, op, **how):
         self.op, self.how = op, how
 
+    def compute(self, attrs, x, params):
+        return self.op.compute(attrs, x, params, **self.how)
+
     def forward(self, attrs, xs, params, kernels):
-        return self.op.compute(attrs, xs[0], params, **self.how)
+        return self.compute(attrs, xs[0], params)
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
         with torch.enable_grad():
             x = xs[0].detach().requires_grad_(True)
             leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-            out = self.op.compute(attrs, x, leaves, **self.how)
+            out = self.compute(attrs, x, leaves)
             names = list(leaves)
             grads = torch.autograd.grad(out, [x] + [leaves[k] for k in names], g, allow_unused=True)
         return [grads[0] if need[0] else None], {k: v for k, v in zip(names, grads[1:])}
@@ -551,6 +569,100 @@ class GroupNorm(Normalisation):
         return slips
 
 
+class LayerNorm(Normalisation):
+    """Layer normalisation over the last axis (PyTorch's nn.LayerNorm(features)): a feature vector's F values, or each
+    token's D of a (T, D) sequence, their statistics within that row alone, a per-feature affine. An image's channels
+    are normalised by group_norm with one group (over C·H·W) instead."""
+
+    name = "layer_norm"
+    keys = {"features": REQUIRED, "eps": 1e-5, "affine": True}
+    stat_dims = (2,)
+
+    torch_modules = (torch.nn.LayerNorm,)
+    torch_calls = (F.layer_norm,)
+
+    def check(self, attrs):
+        attrs["features"] = _positive(attrs["features"], "features")
+        attrs["affine"] = _flag(attrs["affine"], "affine")
+        attrs["eps"] = _number(attrs["eps"], "eps", positive=True)
+        return attrs
+
+    def out_shape(self, attrs, in_shapes):
+        shape = in_shapes[0]
+        if len(shape) == 3:
+            raise OpSpecError("layer_norm normalises a feature vector's or a token's last axis, not an image: for a "
+                              "layer norm over C·H·W use group_norm with groups 1")
+        if shape[-1] != attrs["features"]:
+            raise OpSpecError(f"receives {shape[-1]} features on its last axis but declares 'features': "
+                              f"{attrs['features']}")
+        return shape
+
+    def param_shapes(self, attrs):
+        return {"weight": (attrs["features"],), "bias": (attrs["features"],)} if attrs["affine"] else {}
+
+    def describe(self, attrs):
+        return f"layer_norm over {attrs['features']}"
+
+    def view(self, attrs, t):
+        return t.reshape(t.shape[0], -1, t.shape[-1])  # (N, rows, features): each row's statistics on its own
+
+    def affine(self, attrs, p):
+        return p  # broadcasts along the last axis
+
+    def channel_first(self, t):
+        return t.movedim(-1, 1) if t.dim() > 2 else t
+
+    def torch_module(self, attrs, device=None, dtype=None):
+        return torch.nn.LayerNorm(attrs["features"], eps=attrs["eps"], elementwise_affine=attrs["affine"],
+                                  device=device, dtype=dtype)
+
+    def torch_forward(self, attrs, xs, module):
+        return F.layer_norm(xs[0], (attrs["features"],), module.weight, module.bias, attrs["eps"])
+
+    def from_torch_module(self, module):
+        if len(module.normalized_shape) != 1:
+            raise OpSpecError(f"LayerNorm over {list(module.normalized_shape)}: the spec's layer_norm normalises the "
+                              f"last axis only (over an image's C·H·W use nn.GroupNorm(1, C))")
+        if module.elementwise_affine and module.bias is None:
+            raise OpSpecError("LayerNorm with a weight but no bias: the spec's affine layer norm has both")
+        return {"features": int(module.normalized_shape[0]), "eps": float(module.eps),
+                "affine": bool(module.elementwise_affine)}
+
+    def from_torch_call(self, target, args, kwargs):
+        names = ("input", "normalized_shape", "weight", "bias", "eps")
+        given = dict(zip(names, args)) | kwargs
+        if given.get("weight") is not None or given.get("bias") is not None:
+            raise OpSpecError("F.layer_norm with affine tensors: the spec cannot read them from a traced call; use "
+                              "nn.LayerNorm")
+        shape = list(given["normalized_shape"])
+        if len(shape) != 1:
+            raise OpSpecError(f"F.layer_norm over {shape}: the spec's layer_norm normalises the last axis only")
+        return {"features": int(shape[0]), "affine": False, "eps": float(given.get("eps", 1e-5))}
+
+    def port_slips(self, attrs, in_shape):
+        every = ("every layer norm",)
+        slips = [PortSlip("statistics", "backward treats the statistics as constants (dx = γ/σ·g, the two mean terms "
+                          "missing)", lambda: ConstantStatistics(self), every=every)]
+        if len(in_shape) < 2:
+            return slips  # a feature vector has one axis: no other axes to take the statistics over
+        return slips + [PortSlip("statistics", "takes the statistics over the tokens (the other axis), not each "
+                                 "token's features", lambda: LayerNormOver(self, (1,)), forward=True, every=every),
+                        PortSlip("statistics", "takes the statistics over the whole sequence (tokens and features "
+                                 "together)", lambda: LayerNormOver(self, (1, 2)), forward=True, every=every)]
+
+
+class LayerNormOver(StatisticsSlip):
+    """A layer norm whose statistics are taken over other axes of the (N, T, D) sequence."""
+
+    def __init__(self, op, dims):
+        self.op, self.dims = op, dims
+
+    def compute(self, attrs, x, params):
+        mu = x.mean(dim=self.dims, keepdim=True)
+        var = (x - mu).square().mean(dim=self.dims, keepdim=True)
+        return self.op.scaled(attrs, (x - mu) * torch.rsqrt(var + attrs["eps"]), params)
+
+
 def _positive(value, key):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise OpSpecError(f"'{key}' is {value!r}: expected a positive integer")
@@ -559,3 +671,4 @@ def _positive(value, key):
 
 register(BatchNorm2d())
 register(GroupNorm())
+register(LayerNorm())
