@@ -158,6 +158,7 @@ def _node_layer(node, submodules) -> tuple[dict, list]:
     if node.op == "call_module":
         return _module_layer(submodules[node.target], node.target), tensors
     target = node.target
+    refused = None
     for op in OPS.values():
         if any(target == call if isinstance(call, str) else target is call for call in op.torch_calls) and (
                 isinstance(target, str) == (node.op == "call_method")):
@@ -165,6 +166,9 @@ def _node_layer(node, submodules) -> tuple[dict, list]:
                 return {"op": op.name, **op.from_torch_call(target, node.args, node.kwargs)}, \
                     op.call_inputs(tensors, node.args)
             except OpSpecError as exc:
-                raise ModelSpecError(f"{node.name}: {exc}") from None
+                # another op may read the same call with these arguments (flatten(1): flatten, flatten(2): flatten_pixels)
+                refused = refused or exc
+    if refused is not None:
+        raise ModelSpecError(f"{node.name}: {refused}")
     label = getattr(target, "__name__", str(target))
     raise ModelSpecError(f"{node.name}: unsupported op {label}: supported ops are {', '.join(OPS)}")

@@ -485,6 +485,8 @@ def n_spatial(shape) -> int:
 from . import layers, losses, pointwise, routing  # noqa: E402,F401 - each registers its ops
 from . import transposed  # noqa: E402,F401 - registered after layers: its rules are a convolution's, roles swapped
 from . import arithmetic  # noqa: E402,F401 - registered after routing: its ops build on add
+from . import tokens  # noqa: E402,F401 - registered after routing: flatten(2) is read after flatten refuses it
+from . import attention  # noqa: E402,F401 - after tokens: softmax and matmul act on tokens
 
 __all__ = ["BackwardReplaced", "BoundContext", "Field", "GradField", "Kernels", "LOSSES", "OPS", "Op", "OpSpecError",
            "OtherAttributes", "Parts", "PortSlip", "REQUIRED", "Rule", "SEED_CONV", "SPARSE_LIMIT", "has_values", "is_seed_conv", "register", "register_loss",
