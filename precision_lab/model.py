@@ -114,8 +114,11 @@ class Network:
 
     def layer_of(self, parameter: str) -> Layer:
         """The layer owning `parameter` (e.g. 'conv2.weight' → conv2)."""
-        name = parameter.rsplit(".", 1)[0]
-        return self.layers[self.index_of(name)]
+        # the longest layer name the parameter starts with ('attn.out_proj.weight' → attn)
+        owners = [layer for layer in self.layers if layer.name and parameter.startswith(layer.name + ".")]
+        if not owners:
+            raise KeyError(f"no layer owns {parameter!r} in {self.name}")
+        return max(owners, key=lambda layer: len(layer.name))
 
     def index_of(self, name: str) -> int:
         for layer in self.layers:

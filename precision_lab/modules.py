@@ -136,6 +136,10 @@ def _traced_layers(module: nn.Module) -> list[dict]:
         if node.op == "get_attr":
             raise ModelSpecError(f"{node.name}: reads a tensor attribute directly ({node.target}); only layers "
                                  f"of supported ops are supported")
+        if _reads_first_of_pair(node, by_node, previous):
+            by_node[node.name] = by_node[previous]  # module(x)[0] of a module returning (output, extra): its output
+            previous = node.name
+            continue
         layer, inputs = _node_layer(node, submodules)
         tensors = [a.name for a in inputs]
         arity = 2 if OPS[layer["op"]].combines else 1
@@ -156,7 +160,11 @@ def _node_layer(node, submodules) -> tuple[dict, list]:
     """The spec layer of one traced call, and the tensors it reads: the op whose torch_calls holds its target."""
     tensors = [a for a in node.args if hasattr(a, "name") and hasattr(a, "op")]
     if node.op == "call_module":
-        return _module_layer(submodules[node.target], node.target), tensors
+        layer = _module_layer(submodules[node.target], node.target)
+        try:
+            return layer, OPS[layer["op"]].call_inputs(tensors, node.args)
+        except OpSpecError as exc:
+            raise ModelSpecError(f"{node.name}: {exc}") from None
     target = node.target
     refused = None
     for op in OPS.values():
@@ -172,3 +180,15 @@ def _node_layer(node, submodules) -> tuple[dict, list]:
         raise ModelSpecError(f"{node.name}: {refused}")
     label = getattr(target, "__name__", str(target))
     raise ModelSpecError(f"{node.name}: unsupported op {label}: supported ops are {', '.join(OPS)}")
+
+
+def _reads_first_of_pair(node, by_node: dict, previous) -> bool:
+    """Whether a traced node is `[0]` of the previous layer, an op whose module returns (output, extra)."""
+    import operator
+
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
+        return False
+    source, index = node.args
+    layer = by_node.get(getattr(source, "name", None))
+    return (index == 0 and source.name == previous and layer is not None
+            and OPS[layer["op"]].returns_pair)

@@ -192,3 +192,73 @@ def test_the_vit_block_example_walks_as_autograd_and_its_pytorch_run_is_rounding
     problem = make_problem(16, 2, 3, network=network)
     judgement = judge(autograd_forward_backward(problem, "float32"), reference(problem))
     assert judgement.verdict == "roundoff", judgement.to_text()
+
+
+class MultiHeadBlock(nn.Module):
+    """The ViT-style block with nn.MultiheadAttention (2 heads of 4) in place of the hand-written single head."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.patch = nn.Conv2d(2, d, 4, stride=4)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.fc1, self.fc2, self.head = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        t = self.patch(x).flatten(2).transpose(1, 2)
+        t = t + self.attn(t, t, t, need_weights=False)[0]
+        t = t + self.fc2(F.gelu(self.fc1(t)))
+        return self.head(t.mean(dim=1))
+
+
+def test_multi_head_attention_converts_with_pytorchs_names_and_walks_as_autograd():
+    network = _converted(MultiHeadBlock)
+    assert [layer.op for layer in network.layers] == ["conv2d", "flatten_pixels", "transpose", "attention", "add",
+                                                      "linear", "gelu", "linear", "add", "mean", "linear"]
+    attention = network.layers[3]
+    assert attention.attrs["heads"] == 2 and attention.attrs["scale"] == 0.5  # 1/√4
+    assert {"attn.in_proj_weight": (24, 8), "attn.in_proj_bias": (24,), "attn.out_proj.weight": (8, 8),
+            "attn.out_proj.bias": (8,)}.items() <= network.param_shapes.items()
+    assert network.layer_of("attn.out_proj.weight") is attention
+    _walks_as_autograd(network)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pytorchs_own_float32_run_of_multi_head_attention_is_rounding(seed):
+    problem = make_problem(16, 2, seed, network=_converted(MultiHeadBlock))
+    judgement = judge(autograd_forward_backward(problem, "float32"), reference(problem))
+    assert judgement.verdict == "roundoff", judgement.to_text()
+
+
+def test_cross_attention_is_refused_with_its_reason():
+    class Cross(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.patch, self.attn = nn.Conv2d(2, 8, 4, stride=4), nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x):
+            t = self.patch(x).flatten(2).transpose(1, 2)
+            return self.attn(t, t * 0.5, t)[0]
+
+    with pytest.raises(ModelSpecError, match="only self-attention"):
+        from_module(Cross(), input_channels=2)
+
+
+@pytest.mark.parametrize("slip, named", [
+    ("scale backward", "leaves the factor 0.5 (1/√d) out of its backward"),
+    ("softmax axis", "normalises each head's attention over the queries")])
+def test_each_multi_head_attention_slip_is_a_defect_with_its_cause_named(slip, named):
+    import dataclasses
+
+    from precision_lab.ops import OPS, BackwardReplaced, OtherAttributes
+    from precision_lab.ops.attention import _unscaled_backward
+
+    network = _converted(MultiHeadBlock)
+    problem = make_problem(16, 2, 0, network=network)
+    params = dict(problem.params)
+    params["attn.in_proj_weight"] = params["attn.in_proj_weight"] * np.repeat(np.float32([4, 4, 1]), 8)[:, None]
+    problem = dataclasses.replace(problem, params=params)  # q and k ×4: a peaked attention, as trained ones are
+    rule = {"scale backward": BackwardReplaced(OPS["attention"], _unscaled_backward("scale")),
+            "softmax axis": OtherAttributes(OPS["attention"], {"softmax_dim": 1})}[slip]
+    judgement = judge(forward_backward(problem, "float32", rules={3: rule}), reference(problem))
+    assert judgement.verdict == "defect"
+    assert judgement.cause is not None and named in judgement.cause, judgement.to_text()

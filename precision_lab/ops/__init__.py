@@ -148,6 +148,7 @@ class Op:
     windowed = False  # its weight gradient sums windows of its input: shifted or clipped windows are its slips
     flattens = False  # turns an image into features: the image size is then fixed by the reader's fan-in
     reads_error_backward = False  # backward_error reads its input's forward error (parametrised and smooth ops)
+    returns_pair = False  # its PyTorch module returns (output, extra), read as module(x)[0] (nn.MultiheadAttention)
     weight_letters = None  # what O and I of a weight layout mean for its weight, where not a convolution's out and in
 
     def expand(self, raw: dict) -> list[dict]:
@@ -487,6 +488,7 @@ from . import transposed  # noqa: E402,F401 - registered after layers: its rules
 from . import arithmetic  # noqa: E402,F401 - registered after routing: its ops build on add
 from . import tokens  # noqa: E402,F401 - registered after routing: flatten(2) is read after flatten refuses it
 from . import attention  # noqa: E402,F401 - after tokens: softmax and matmul act on tokens
+from . import multihead  # noqa: E402,F401 - after attention: its rules are linear's, matmul's and softmax's
 
 __all__ = ["BackwardReplaced", "BoundContext", "Field", "GradField", "Kernels", "LOSSES", "OPS", "Op", "OpSpecError",
            "OtherAttributes", "Parts", "PortSlip", "REQUIRED", "Rule", "SEED_CONV", "SPARSE_LIMIT", "has_values", "is_seed_conv", "register", "register_loss",

@@ -16,8 +16,8 @@ one subtraction and one product (u each, Higham 2002 §2.2), with the stored out
 
 matmul: C = A·B of per-sample matrices (batch of (M, K)·(K, N) → (M, N)), or A·Bᵀ (`transpose_b`, q·kᵀ), times a
 constant `scale` (1/√d); each output is an inner product of K terms: γ̃_K(λ)·|A||B| plus the upstream errors
-|A|E_B + E_A|B| + E_AE_B (Higham 2002, §3.1, Higham & Mary 2019), and the scale one more rounding u·|C| unless it is a
-power of two (exact). Its input gradients are products too: G·Bᵀ sums N terms, Aᵀ·G sums M.
+|A|E_B + E_A|B| + E_AE_B (Higham 2002, §3.1, Higham & Mary 2019), and the scale one more rounding u·|s|·|A||B| unless
+it is a power of two (exact), whether the product or an operand is scaled. Its input gradients are products too: G·Bᵀ sums N terms, Aᵀ·G sums M.
 """
 from __future__ import annotations
 
@@ -207,19 +207,20 @@ class Matmul(Op):
         return [ga, gb], {}
 
     # error model ------------------------------------------------------------------------------
-    def _scaled(self, attrs, value: torch.Tensor, error: torch.Tensor, ctx) -> torch.Tensor:
-        """|s|·(error) plus the scale's own rounding u·|s·value| unless s is a power of two (module docstring)."""
+    def _scaled(self, attrs, magnitude: torch.Tensor, error: torch.Tensor, ctx) -> torch.Tensor:
+        """|s|·(error) plus the scale's own rounding unless s is a power of two: u·|s|·(|A||B|) covers it whether the
+        product is scaled or an operand first (nn.MultiheadAttention scales q before q·kᵀ)."""
         s = abs(attrs["scale"])
-        return error * s if self._exact_scale(attrs) else (1 + ctx.u) * s * error + ctx.u * s * value.abs()
+        return error * s if self._exact_scale(attrs) else (1 + ctx.u) * s * error + ctx.u * s * magnitude
 
     def forward_error(self, attrs, ins, y, params, ctx):
         (a, ea), (b, eb) = [(f.value, f.error) for f in ins]
         b = self._b(attrs, b)
         eb = None if eb is None else self._b(attrs, eb)
         a_abs, b_abs = a.abs(), b.abs()
-        product = a @ b
+        magnitude = a_abs @ b_abs
         # γ̃_K(λ)·|A||B| + |A|E_B + E_A|B| + E_AE_B (Higham 2002, §3.1)
-        error = ctx.gamma(a.shape[-1]) * (a_abs @ b_abs)
+        error = ctx.gamma(a.shape[-1]) * magnitude
         rounding = ctx.rounding_term(torch.matmul, a_abs, b_abs)
         if torch.is_tensor(rounding):
             error = error + rounding
@@ -229,7 +230,7 @@ class Matmul(Op):
             error = error + a_abs @ eb
         if ea is not None and eb is not None:
             error = error + ea @ eb
-        return Field(y, self._scaled(attrs, product, error, ctx), None, sum(f.flips for f in ins))
+        return Field(y, self._scaled(attrs, magnitude, error, ctx), None, sum(f.flips for f in ins))
 
     def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
         s = abs(attrs["scale"])
@@ -262,8 +263,9 @@ class Matmul(Op):
 
     def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
         a, b = xs[0].abs(), self._b(attrs, xs[1]).abs()
-        scale = abs(attrs["scale"]) * gamma_over_lambda(a.shape[-1], u, lam) * (a @ b)
-        return scale if self._exact_scale(attrs) else scale + u * y.abs()
+        magnitude = abs(attrs["scale"]) * (a @ b)
+        scale = gamma_over_lambda(a.shape[-1], u, lam) * magnitude
+        return scale if self._exact_scale(attrs) else scale + u * magnitude
 
     def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u, lam):
         g_abs = (g * attrs["scale"]).abs()
