@@ -262,3 +262,32 @@ def test_each_multi_head_attention_slip_is_a_defect_with_its_cause_named(slip, n
     judgement = judge(forward_backward(problem, "float32", rules={3: rule}), reference(problem))
     assert judgement.verdict == "defect"
     assert judgement.cause is not None and named in judgement.cause, judgement.to_text()
+
+
+def test_tokens_are_an_output_an_mse_loss_reads():
+    class TokenOutput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.patch, self.attn = nn.Conv2d(2, 8, 4, stride=4), nn.MultiheadAttention(8, 2, batch_first=True)
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            t = self.patch(x).flatten(2).transpose(1, 2)
+            return self.fc(F.gelu(t + self.attn(t, t, t)[0]))
+
+    network = _converted(TokenOutput, loss="mse")
+    assert network.output_shape(16, 16) == (16, 4)
+    _walks_as_autograd(network, 16)
+    problem = make_problem(16, 2, 1, network=network)
+    judgement = judge(autograd_forward_backward(problem, "float32"), reference(problem))
+    assert judgement.verdict == "roundoff", judgement.to_text()
+
+
+@pytest.mark.parametrize("module_class", [ViTBlock, MultiHeadBlock])
+def test_every_zoo_verdict_is_right_on_a_vit_block(module_class):
+    from precision_lab.calibration import judge_zoo
+
+    table = judge_zoo(make_problem(16, 2, 1, network=_converted(module_class)), "cpu")
+    assert len(table) >= 24
+    wrong = table[~table["correct"]]
+    assert wrong.empty, wrong[["candidate", "expected", "verdict", "detail", "worst_ratio"]].to_string()
