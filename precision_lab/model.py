@@ -27,6 +27,7 @@ from typing import Any
 
 from .errors import LabInputError
 from .ops import OPS, LOSSES, OpSpecError
+from .ops import arity as op_arity
 from .ops.layers import Conv2d
 from .ops.losses import MSE
 from .ops.pointwise import ReLU
@@ -248,6 +249,10 @@ class Network:
         if self.fits(preferred, preferred):
             return preferred, preferred
         near = self.sizes_near(preferred, preferred, limit=64)
+        smaller = preferred // 2
+        while not near and smaller >= MIN_FREE_SIDE:  # a cap on size (attention's tokens²): the largest that fits
+            near = self.sizes_near(smaller, smaller, limit=64)
+            smaller //= 2
         square = [hw for hw in near if hw[0] == hw[1]]
         if not near:
             raise ModelSpecError(f"{self.name}: no image size up to {LARGEST_SIDE}×{LARGEST_SIDE} fits this network "
@@ -390,7 +395,7 @@ def _layer(raw, index: int, names: dict[str, int], where: str) -> Layer:
                              f"(its parameters are '<name>.weight' and '<name>.bias')")
     attrs = {k: v for k, v in raw.items() if k not in ("op", "name", "from", "inputs")}
     source, reads = None, None
-    arity = 2 if OPS[op].combines else 1
+    arity = op_arity(OPS[op])
     if "inputs" in raw:
         reads = _named_inputs(raw, arity, names, label)
         source = reads[1] if arity == 2 else None

@@ -12,6 +12,7 @@ from torch import nn
 
 from .model import NETWORK_INPUT, ModelSpecError, Network, parse_spec
 from .ops import LOSSES, OPS, OpSpecError
+from .ops import arity as op_arity
 from .ops.losses import MSE
 
 
@@ -142,7 +143,7 @@ def _traced_layers(module: nn.Module) -> list[dict]:
             continue
         layer, inputs = _node_layer(node, submodules)
         tensors = [a.name for a in inputs]
-        arity = 2 if OPS[layer["op"]].combines else 1
+        arity = op_arity(OPS[layer["op"]])
         if len(tensors) != arity:
             raise ModelSpecError(f"{node.name}: {layer['op']} of {len(tensors)} tensors; the spec's {layer['op']} "
                                  f"reads {arity}")

@@ -48,6 +48,21 @@ class ViTBlock(nn.Module):
         return self.head(t.mean(dim=1))
 
 
+class FunctionalAttention(nn.Module):
+    """The single-head block with F.scaled_dot_product_attention of three projections."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.patch = nn.Conv2d(2, d, 4, stride=4)
+        self.q, self.k, self.v, self.o = nn.Linear(d, d), nn.Linear(d, d, bias=False), nn.Linear(d, d), nn.Linear(d, d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        t = self.patch(x).flatten(2).transpose(1, 2)
+        t = t + self.o(F.scaled_dot_product_attention(self.q(t), self.k(t), self.v(t)))
+        return self.head(t.mean(dim=1))
+
+
 def _converted(module_class, loss="cross_entropy"):
     torch.manual_seed(0)
     return from_module(module_class(), loss=loss, input_channels=2, name=module_class.__name__)
@@ -291,3 +306,39 @@ def test_every_zoo_verdict_is_right_on_a_vit_block(module_class):
     assert len(table) >= 24
     wrong = table[~table["correct"]]
     assert wrong.empty, wrong[["candidate", "expected", "verdict", "detail", "worst_ratio"]].to_string()
+
+
+def test_attention_weights_cap_the_image_size_and_the_default_size_fits_under_it():
+    from precision_lab.model import load_model
+    from precision_lab.paths import ROOT
+
+    network = load_model(ROOT / "examples" / "models" / "vit-block.json")
+    # 1024² in 4×4 patches: 65536 tokens, 4.3·10⁹ attention weights a sample; 256²: 4096 tokens, 2²⁴
+    with pytest.raises(ModelSpecError, match="65536×65536 entries a sample"):
+        network.check_size(1024, 1024)
+    assert network.fits(256, 256) and not network.fits(260, 260)
+    assert network.default_size() == (256, 256)
+
+
+def test_scaled_dot_product_attention_reads_three_inputs_and_its_float32_run_is_rounding():
+    network = _converted(FunctionalAttention)
+    attention = next(layer for layer in network.layers if layer.op == "dot_product_attention")
+    assert [network.layers[i].name for i in attention.inputs] == ["q", "k", "v"]
+    _walks_as_autograd(network, 16)
+    for seed in (0, 1):
+        problem = make_problem(16, 2, seed, network=network)
+        judgement = judge(autograd_forward_backward(problem, "float32"), reference(problem))
+        assert judgement.verdict == "roundoff", judgement.to_text()
+
+
+def test_scaled_dot_product_attention_without_its_scale_in_the_backward_is_named():
+    from precision_lab.ops import OPS, BackwardReplaced
+    from precision_lab.ops.attention import _unscaled_backward
+
+    network = _converted(FunctionalAttention)
+    problem = _peaked(make_problem(16, 2, 0, network=network))
+    index = next(layer.index for layer in network.layers if layer.op == "dot_product_attention")
+    rule = BackwardReplaced(OPS["dot_product_attention"], _unscaled_backward("scale"))
+    judgement = judge(forward_backward(problem, "float32", rules={index: rule}), reference(problem))
+    assert judgement.verdict == "defect"
+    assert judgement.cause is not None and "out of its backward" in judgement.cause, judgement.to_text()

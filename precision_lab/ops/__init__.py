@@ -143,6 +143,7 @@ class Op:
     keys: dict = {}
     parametrised = False
     combines = False  # reads a second input named by `from`
+    arity = None  # how many inputs it reads where not 2 (combines) or 1: named by `inputs`
     elementwise = False  # output element i depends on input element i only
     masks = False  # its backward masks by its forward's decisions: the local bound reads the forward's flips
     windowed = False  # its weight gradient sums windows of its input: shifted or clipped windows are its slips
@@ -251,6 +252,11 @@ class Op:
 
 OPS: dict[str, Op] = {}
 LOSSES: dict = {}
+
+
+def arity(op: Op) -> int:
+    """How many inputs an op reads: its own `arity`, else 2 for one that combines, else 1."""
+    return op.arity or (2 if op.combines else 1)
 
 
 def register(op: Op) -> Op:

@@ -30,6 +30,18 @@ import torch.nn.functional as F
 from . import REQUIRED, BackwardReplaced, Field, GradField, Op, OpSpecError, OtherAttributes, PortSlip, gamma_over_lambda, register
 from .tokens import _has, _text, per_sample_axis
 
+#: entries of one sample's product (a head's attention weights, tokens²) up to which a size is taken: 2²⁴, 4096 tokens
+#: (a 256² image in 4×4 patches), 128 MB a float64 copy; the float64 reference keeps several per head and sample
+PRODUCT_LIMIT = 2 ** 24
+
+
+def within_limit(rows, cols, what: str) -> None:
+    """OpSpecError where one sample's (rows, cols) product exceeds PRODUCT_LIMIT entries (the sizes that fit are smaller)."""
+    if rows is not None and cols is not None and rows * cols > PRODUCT_LIMIT:
+        raise OpSpecError(f"{what} of {rows}×{cols} entries a sample, above {PRODUCT_LIMIT} (memory): choose a smaller "
+                          f"image or larger patches")
+
+
 #: evaluation error of float32 exp, in units of u: CUDA's expf is within 2 ulp (CUDA C Programming Guide, "Mathematical
 #: Functions"), an ulp is at most 2u relative: 4u; glibc's and SLEEF's expf are within 1 ulp
 EXP_ERROR_UNITS = 4.0
@@ -170,6 +182,7 @@ class Matmul(Op):
         if a[1] is not None and inner_b is not None and a[1] != inner_b:
             raise OpSpecError(f"multiplies {_text(a)} by {_text(b)}{'ᵀ' if attrs['transpose_b'] else ''}: inner "
                               f"sizes {a[1]} and {inner_b} differ")
+        within_limit(a[0], cols, "a product")
         return (a[0], cols)
 
     def describe(self, attrs):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import REQUIRED, BackwardReplaced, BoundContext, Field, GradField, Op, OpSpecError, OtherAttributes, PortSlip, positive_int, register
-from .attention import Matmul, Softmax, _unscaled_backward
+from .attention import Matmul, Softmax, _unscaled_backward, within_limit
 from .layers import Linear
 from .tokens import _text
 
@@ -55,6 +55,7 @@ class Attention(Op):
         shape = in_shapes[0]
         if len(shape) != 2 or (shape[1] is not None and shape[1] != attrs["dim"]):
             raise OpSpecError(f"attention needs tokens (T, {attrs['dim']}) but receives {_text(shape)}")
+        within_limit(shape[0], shape[0], "attention weights")
         return shape
 
     def param_shapes(self, attrs):
@@ -228,4 +229,113 @@ class Attention(Op):
         return [e_x.error.to(g.dtype)]
 
 
+class DotProductAttention(Op):
+    """softmax(q·kᵀ·scale)·v of three token inputs (T, d), (S, d), (S, e) → (T, e): F.scaled_dot_product_attention of
+    one head (`inputs`: q, k, v). Its rules are matmul's and softmax's, composed (ops.attention)."""
+
+    name = "dot_product_attention"
+    arity = 3
+    keys = {"scale": None}
+    reads_error_backward = True
+    torch_calls = (torch.nn.functional.scaled_dot_product_attention,)
+
+    def check(self, attrs):
+        if attrs["scale"] is not None and (isinstance(attrs["scale"], bool) or not isinstance(attrs["scale"], (int, float))
+                                           or attrs["scale"] == 0):
+            raise OpSpecError(f"'scale' is {attrs['scale']!r}: expected a non-zero number (default 1/√d)")
+        return attrs
+
+    def call_inputs(self, tensors, args):
+        return tensors[:3]
+
+    def from_torch_call(self, target, args, kwargs):
+        if kwargs.get("attn_mask") is not None or kwargs.get("dropout_p", 0.0) or kwargs.get("is_causal", False) \
+                or len(args) > 3:
+            raise OpSpecError("scaled_dot_product_attention with a mask, dropout or causal: only plain attention")
+        return {} if kwargs.get("scale") is None else {"scale": kwargs["scale"]}
+
+    def out_shape(self, attrs, in_shapes):
+        q, k, v = in_shapes
+        if any(len(s) != 2 for s in in_shapes) or q[1] != k[1] or k[0] != v[0]:
+            raise OpSpecError(f"dot_product_attention needs q (T, d), k (S, d), v (S, e) but receives {_text(q)}, "
+                              f"{_text(k)}, {_text(v)}")
+        within_limit(q[0], k[0], "attention weights")
+        return (q[0], v[1])
+
+    def describe(self, attrs):
+        return "dot_product_attention"
+
+    @staticmethod
+    def _attrs(attrs, d: int):
+        scale = attrs["scale"] if attrs["scale"] is not None else d ** -0.5
+        return {"transpose_b": True, "scale": float(scale)}, {"dim": attrs.get("softmax_dim", -1)}, \
+            {"transpose_b": False, "scale": 1.0}
+
+    def port_slips(self, attrs, in_shape):
+        factor = attrs["scale"] if attrs["scale"] is not None else in_shape[1] ** -0.5
+        return [PortSlip("attention", f"leaves the factor {factor:.6g} (1/√d) out of its backward",
+                         lambda: BackwardReplaced(self, _unscaled_backward("scale")), every=("every attention score",)),
+                PortSlip("attention", f"leaves the factor {factor:.6g} (1/√d) out of forward and backward",
+                         lambda: OtherAttributes(self, {"scale": 1.0}), forward=True, every=("every attention score",)),
+                PortSlip("attention", "normalises the attention over the queries where it should over the keys",
+                         lambda: OtherAttributes(self, {"softmax_dim": 1}), forward=True)]
+
+    def torch_forward(self, attrs, xs, module):
+        return torch.nn.functional.scaled_dot_product_attention(*xs, scale=attrs["scale"])
+
+    def _parts(self, attrs, xs, kernels):
+        a_s, a_sm, a_mix = self._attrs(attrs, xs[0].shape[-1])
+        scores = _MATMUL.forward(a_s, xs[:2], {}, kernels)
+        weights = _SOFTMAX.forward(a_sm, [scores], {}, kernels)
+        return scores, weights, _MATMUL.forward(a_mix, [weights, xs[2]], {}, kernels)
+
+    def forward(self, attrs, xs, params, kernels):
+        return self._parts(attrs, xs, kernels)[2]
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        a_s, a_sm, a_mix = self._attrs(attrs, xs[0].shape[-1])
+        scores, weights, y = self._parts(attrs, xs, kernels)
+        (g_weights, g_v), _ = _MATMUL.backward(a_mix, g, [weights, xs[2]], y, {}, kernels, [True, need[2]])
+        (g_scores,), _ = _SOFTMAX.backward(a_sm, g_weights, [scores], weights, {}, kernels, [True])
+        (g_q, g_k), _ = _MATMUL.backward(a_s, g_scores, xs[:2], scores, {}, kernels, need[:2])
+        return [g_q, g_k, g_v], {}
+
+    def forward_error(self, attrs, ins, y, params, ctx):
+        a_s, a_sm, a_mix = self._attrs(attrs, ins[0].value.shape[-1])
+        scores64, weights64, _ = self._parts(attrs, [f.value.double() for f in ins], ctx.kernels)
+        scores = _MATMUL.forward_error(a_s, ins[:2], scores64.to(y.dtype), {}, ctx)
+        weights = _SOFTMAX.forward_error(a_sm, [scores], weights64.to(y.dtype), {}, ctx)
+        out = _MATMUL.forward_error(a_mix, [weights, ins[2]], y, {}, ctx)
+        return Field(y, out.error, None, out.flips, {"scores": scores, "weights": weights})
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        a_s, a_sm, a_mix = self._attrs(attrs, ins[0].value.shape[-1])
+        scores, weights = out.memo["scores"], out.memo["weights"]
+        xs = [f.value.double() for f in ins]
+        _, w64, y64 = self._parts(attrs, xs, ctx.kernels)
+        (g_weights, _), _ = _MATMUL.backward(a_mix, g.double(), [w64, xs[2]], y64, {}, ctx.kernels, [True, False])
+        (g_scores,), _ = _SOFTMAX.backward(a_sm, g_weights, [scores.value.double()], w64, {}, ctx.kernels, [True])
+        flips = grad.flips if grad.flips is not None else 0.0
+        merged = GradField(grad.error + flips, None, None, grad.flip_count)
+        (e_weights, e_v), _ = _MATMUL.backward_error(a_mix, g, merged, [weights, ins[2]], out, {}, ctx, [True, need[2]])
+        (e_scores,), _ = _SOFTMAX.backward_error(a_sm, g_weights.to(g.dtype), e_weights, [scores], weights, {}, ctx,
+                                                 [True])
+        (e_q, e_k), _ = _MATMUL.backward_error(a_s, g_scores.to(g.dtype), e_scores, ins[:2], scores, {}, ctx, need[:2])
+        return [e_q, e_k, e_v], {}
+
+    # sampled propagation: its bound with exact inputs (and an exact output gradient), as Attention's
+    def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
+        return self.forward_error(attrs, [Field(x, None, None) for x in xs], y, params,
+                                  Attention._context(kernels, u, lam)).error.to(y.dtype)
+
+    def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u, lam):
+        ctx = Attention._context(kernels, u, lam)
+        ins = [Field(x, None, None) for x in xs]
+        out = self.forward_error(attrs, ins, y, params, ctx)
+        fields, _ = self.backward_error(attrs, g, GradField(torch.zeros_like(g), None, None, 0), ins, out, params, ctx,
+                                        need)
+        return [None if f is None else f.error.to(g.dtype) for f in fields]
+
+
 register(Attention())
+register(DotProductAttention())
