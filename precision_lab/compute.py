@@ -117,7 +117,8 @@ def layer_params(params: dict[str, torch.Tensor], layer) -> dict[str, torch.Tens
     """The parameters of one layer by suffix ('weight', 'bias')."""
     if not layer.name:
         return {}
-    return {suffix: params[f"{layer.name}.{suffix}"] for suffix in ("weight", "bias") if f"{layer.name}.{suffix}" in params}
+    suffixes = OPS[layer.op].param_shapes(layer.attrs)  # 'weight', 'bias'; an attention's 'in_proj_weight', …
+    return {suffix: params[f"{layer.name}.{suffix}"] for suffix in suffixes if f"{layer.name}.{suffix}" in params}
 
 
 def _derivable_output(network: Network, index: int) -> bool:

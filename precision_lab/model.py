@@ -28,6 +28,7 @@ from typing import Any
 
 from .errors import LabInputError
 from .ops import OPS, LOSSES, OpSpecError
+from .ops import arity as op_arity
 from .ops.layers import Conv2d
 from .ops.losses import MSE
 from .ops.pointwise import ReLU
@@ -115,8 +116,11 @@ class Network:
 
     def layer_of(self, parameter: str) -> Layer:
         """The layer owning `parameter` (e.g. 'conv2.weight' → conv2)."""
-        name = parameter.rsplit(".", 1)[0]
-        return self.layers[self.index_of(name)]
+        # the longest layer name the parameter starts with ('attn.out_proj.weight' → attn)
+        owners = [layer for layer in self.layers if layer.name and parameter.startswith(layer.name + ".")]
+        if not owners:
+            raise KeyError(f"no layer owns {parameter!r} in {self.name}")
+        return max(owners, key=lambda layer: len(layer.name))
 
     def index_of(self, name: str) -> int:
         for layer in self.layers:
@@ -251,6 +255,10 @@ class Network:
         if self.fits(preferred, preferred):
             return preferred, preferred
         near = self.sizes_near(preferred, preferred, limit=64)
+        smaller = preferred // 2
+        while not near and smaller >= MIN_FREE_SIDE:  # a cap on size (attention's tokens²): the largest that fits
+            near = self.sizes_near(smaller, smaller, limit=64)
+            smaller //= 2
         square = [hw for hw in near if hw[0] == hw[1]]
         if not near:
             raise ModelSpecError(f"{self.name}: no image size up to {LARGEST_SIDE}×{LARGEST_SIDE} fits this network "
@@ -395,7 +403,7 @@ def _layer(raw, index: int, names: dict[str, int], where: str) -> Layer:
                              f"(its parameters are '<name>.weight' and '<name>.bias')")
     attrs = {k: v for k, v in raw.items() if k not in ("op", "name", "from", "inputs")}
     source, reads = None, None
-    arity = 2 if OPS[op].combines else 1
+    arity = op_arity(OPS[op])
     if "inputs" in raw:
         reads = _named_inputs(raw, arity, names, label)
         source = reads[1] if arity == 2 else None

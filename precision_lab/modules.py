@@ -12,6 +12,7 @@ from torch import nn
 
 from .model import NETWORK_INPUT, ModelSpecError, Network, parse_spec
 from .ops import LOSSES, OPS, OpSpecError
+from .ops import arity as op_arity
 from .ops.losses import MSE
 
 
@@ -137,9 +138,13 @@ def _traced_layers(module: nn.Module) -> list[dict]:
         if node.op == "get_attr":
             raise ModelSpecError(f"{node.name}: reads a tensor attribute directly ({node.target}); only layers "
                                  f"of supported ops are supported")
+        if _reads_first_of_pair(node, by_node, previous):
+            by_node[node.name] = by_node[previous]  # module(x)[0] of a module returning (output, extra): its output
+            previous = node.name
+            continue
         layer, inputs = _node_layer(node, submodules)
         tensors = [a.name for a in inputs]
-        arity = 2 if OPS[layer["op"]].combines else 1
+        arity = op_arity(OPS[layer["op"]])
         if len(tensors) != arity:
             raise ModelSpecError(f"{node.name}: {layer['op']} of {len(tensors)} tensors; the spec's {layer['op']} "
                                  f"reads {arity}")
@@ -157,8 +162,13 @@ def _node_layer(node, submodules) -> tuple[dict, list]:
     """The spec layer of one traced call, and the tensors it reads: the op whose torch_calls holds its target."""
     tensors = [a for a in node.args if hasattr(a, "name") and hasattr(a, "op")]
     if node.op == "call_module":
-        return _module_layer(submodules[node.target], node.target), tensors
+        layer = _module_layer(submodules[node.target], node.target)
+        try:
+            return layer, OPS[layer["op"]].call_inputs(tensors, node.args)
+        except OpSpecError as exc:
+            raise ModelSpecError(f"{node.name}: {exc}") from None
     target = node.target
+    refused = None
     for op in OPS.values():
         if any(target == call if isinstance(call, str) else target is call for call in op.torch_calls) and (
                 isinstance(target, str) == (node.op == "call_method")):
@@ -166,6 +176,21 @@ def _node_layer(node, submodules) -> tuple[dict, list]:
                 return {"op": op.name, **op.from_torch_call(target, node.args, node.kwargs)}, \
                     op.call_inputs(tensors, node.args)
             except OpSpecError as exc:
-                raise ModelSpecError(f"{node.name}: {exc}") from None
+                # another op may read the same call with these arguments (flatten(1): flatten, flatten(2): flatten_pixels)
+                refused = refused or exc
+    if refused is not None:
+        raise ModelSpecError(f"{node.name}: {refused}")
     label = getattr(target, "__name__", str(target))
     raise ModelSpecError(f"{node.name}: unsupported op {label}: supported ops are {', '.join(OPS)}")
+
+
+def _reads_first_of_pair(node, by_node: dict, previous) -> bool:
+    """Whether a traced node is `[0]` of the previous layer, an op whose module returns (output, extra)."""
+    import operator
+
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
+        return False
+    source, index = node.args
+    layer = by_node.get(getattr(source, "name", None))
+    return (index == 0 and source.name == previous and layer is not None
+            and OPS[layer["op"]].returns_pair)

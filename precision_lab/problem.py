@@ -182,7 +182,8 @@ def init_params(network: Network, seed: int) -> dict[str, np.ndarray]:
     generator = torch.Generator(device="cpu").manual_seed(seed)  # host draws: the same numbers whatever the device
     params = {}
     for name, shape in network.param_shapes.items():
-        weight_shape = network.param_shapes[name.rsplit(".", 1)[0] + ".weight"]
+        # a bias is drawn by its weight's fan-in: 'fc.bias' by 'fc.weight', 'attn.in_proj_bias' by 'attn.in_proj_weight'
+        weight_shape = network.param_shapes[name[:-len("bias")] + "weight" if name.endswith("bias") else name]
         fan_in = math.prod(weight_shape[1:])
         bound = 1.0 / math.sqrt(fan_in)
         values = torch.rand(shape, generator=generator, dtype=torch.float64, device="cpu") * (2 * bound) - bound

@@ -200,7 +200,8 @@ def _bias_summed(reduce):
     def backward(op, attrs, g, xs, y, params, kernels, need):
         grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
         if "bias" in param_grads:
-            rows = (g.movedim(1, 0) if g.dim() == 4 else g.T).reshape(g.shape[1], -1)
+            # one row of terms per channel: (N, C, H, W) by channel, features (N, F) and tokens (N, T, F) by the last axis
+            rows = g.movedim(1, 0).reshape(g.shape[1], -1) if g.dim() == 4 else g.reshape(-1, g.shape[-1]).T
             param_grads["bias"] = torch.from_numpy(reduce(rows.detach().cpu().numpy()).copy()).to(g.device)
         return grads, param_grads
 
@@ -248,9 +249,10 @@ class _SignsApartKernels(Kernels):
 
     @staticmethod
     def _sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """(B, J) from a (B, K) and b (J, K): Σ_k a_bk·b_jk, the terms in sum_signs_apart's order."""
-        a_np, b_np = a.detach().cpu().numpy(), b.detach().cpu().numpy()
-        return torch.from_numpy(sum_signs_apart(a_np[:, None, :] * b_np[None, :, :]).copy()).to(a.device)
+        """(…, J) from a (…, K) and b (J, K): Σ_k a_bk·b_jk, the terms in sum_signs_apart's order (tokens: row by row)."""
+        a_np, b_np = a.detach().reshape(-1, a.shape[-1]).cpu().numpy(), b.detach().cpu().numpy()
+        sums = torch.from_numpy(sum_signs_apart(a_np[:, None, :] * b_np[None, :, :]).copy()).to(a.device)
+        return sums.reshape(*a.shape[:-1], b.shape[0])
 
     def linear_forward(self, x, w):
         return self._sums(x, w)
@@ -353,7 +355,8 @@ def _unmasked(op, attrs, g, xs, y, params, kernels, need):
 def _bias_one_sample(op, attrs, g, xs, y, params, kernels, need):
     grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
     if "bias" in param_grads:
-        param_grads["bias"] = g[:1].sum(dim=(0, 2, 3) if g.dim() == 4 else 0)
+        # every axis but the channels (dim 1 of an image) or the features (the last of features and tokens)
+        param_grads["bias"] = g[:1].sum(dim=(0, 2, 3)) if g.dim() == 4 else g[:1].reshape(-1, g.shape[-1]).sum(dim=0)
     return grads, param_grads
 
 

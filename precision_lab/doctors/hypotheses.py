@@ -251,6 +251,7 @@ HYPOTHESES = (
     Family("a backward mask missing or borrowed", True, _port_slips("mask")),
     Family("a routing op's backward (upsample, add, concat)", True, _port_slips("routing")),
     Family("another framework's default (GELU's formula, a leaky slope)", True, _port_slips("default")),
+    Family("an attention's scale or softmax axis", True, _port_slips("attention")),
     Family("a kernel's orientation (a true convolution)", True, _port_slips("kernel orientation")),
     Family("a transposed convolution's crop (its padding taken at the wrong side)", True, _port_slips("crop")),
     Family("a normalisation's statistics (constants in the backward, the unbiased variance, ε outside the root, "

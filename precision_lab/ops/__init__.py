@@ -161,11 +161,13 @@ class Op:
     keys: dict = {}
     parametrised = False
     combines = False  # reads a second input named by `from`
+    arity = None  # how many inputs it reads where not 2 (combines) or 1: named by `inputs`
     elementwise = False  # output element i depends on input element i only
     masks = False  # its backward masks by its forward's decisions: the local bound reads the forward's flips
     windowed = False  # its weight gradient sums windows of its input: shifted or clipped windows are its slips
     flattens = False  # turns an image into features: the image size is then fixed by the reader's fan-in
     reads_error_backward = False  # backward_error reads its input's forward error (parametrised and smooth ops)
+    returns_pair = False  # its PyTorch module returns (output, extra), read as module(x)[0] (nn.MultiheadAttention)
     weight_letters = None  # what O and I of a weight layout mean for its weight, where not a convolution's out and in
 
     def expand(self, raw: dict) -> list[dict]:
@@ -285,6 +287,11 @@ class Op:
 
 OPS: dict[str, Op] = {}
 LOSSES: dict = {}
+
+
+def arity(op: Op) -> int:
+    """How many inputs an op reads: its own `arity`, else 2 for one that combines, else 1."""
+    return op.arity or (2 if op.combines else 1)
 
 
 def register(op: Op) -> Op:
@@ -521,6 +528,9 @@ from . import layers, losses, pointwise, routing  # noqa: E402,F401 - each regis
 from . import transposed  # noqa: E402,F401 - registered after layers: its rules are a convolution's, roles swapped
 from . import arithmetic  # noqa: E402,F401 - registered after routing: its ops build on add
 from . import normalisation  # noqa: E402,F401 - registers batch_norm2d, group_norm
+from . import tokens  # noqa: E402,F401 - registered after routing: flatten(2) is read after flatten refuses it
+from . import attention  # noqa: E402,F401 - after tokens: softmax and matmul act on tokens
+from . import multihead  # noqa: E402,F401 - after attention: its rules are linear's, matmul's and softmax's
 
 __all__ = ["BackwardReplaced", "BoundContext", "Field", "GradField", "Kernels", "LOSSES", "OPS", "Op", "OpSpecError",
            "OtherAttributes", "Parts", "PortSlip", "REQUIRED", "Rule", "SEED_CONV", "SPARSE_LIMIT", "SharedDraw", "has_values", "is_seed_conv", "register", "register_loss",

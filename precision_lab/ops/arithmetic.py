@@ -67,6 +67,12 @@ class Mul(Add):
     onnx_ops = ("Mul",)
     reads_error_backward = True
 
+    def from_torch_call(self, target, args, kwargs):
+        if any(not hasattr(a, "op") for a in args):
+            # a tensor times a number is a constant factor: the scale op reads that call
+            raise OpSpecError("a tensor times a number: not a product of two tensors")
+        return {}
+
     def out_shape(self, attrs, in_shapes):
         first, second = in_shapes
         if _per_channel(first) != _per_channel(second) and len(first) == len(second) == 3 and first[0] == second[0]:

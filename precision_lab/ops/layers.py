@@ -654,15 +654,16 @@ class Linear(Op):
 
     def out_shape(self, attrs, in_shapes):
         shape = in_shapes[0]
-        if len(shape) != 1:
-            raise OpSpecError(f"linear needs features (F,) but receives an image {_shape_text(shape)}: put a flatten "
-                              f"before it")
-        if shape[0] is not None and shape[0] != attrs["in"]:
-            raise OpSpecError(f"receives {shape[0]} features but declares 'in': {attrs['in']} (sizes do not chain)")
-        return (attrs["out"],)
+        if len(shape) not in (1, 2):
+            raise OpSpecError(f"linear needs features (F,) or tokens (T, F) but receives an image {_shape_text(shape)}: "
+                              f"put a flatten before it")
+        if shape[-1] is not None and shape[-1] != attrs["in"]:
+            raise OpSpecError(f"receives {shape[-1]} features but declares 'in': {attrs['in']} (sizes do not chain)")
+        return (*shape[:-1], attrs["out"])
 
     def axis_length(self, attrs, lengths, axis):
-        return None
+        # tokens keep the image's grid in their count; features come after a flatten, where sizes stop being traced
+        return lengths[0]
 
     def param_shapes(self, attrs):
         shapes = {"weight": (attrs["out"], attrs["in"])}
@@ -680,9 +681,10 @@ class Linear(Op):
         return y
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
-        grads = {"weight": kernels.linear_weight_grad(xs[0], g)}
+        # tokens (N, T, F): the weight and bias gradients sum over the batch and the tokens
+        grads = {"weight": kernels.linear_weight_grad(xs[0].reshape(-1, xs[0].shape[-1]), g.reshape(-1, g.shape[-1]))}
         if "bias" in params:
-            grads["bias"] = g.sum(dim=0)
+            grads["bias"] = g.reshape(-1, g.shape[-1]).sum(dim=0)
         h = kernels.linear_input_grad(g, params["weight"]) if need[0] else None
         return [h], grads
 
@@ -701,7 +703,9 @@ class Linear(Op):
         memo = {"parts": Parts(n, abs_sum, accumulation, rounding, propagated, ins[0].flips)} if parts else {}
         return Field(y, total, None, ins[0].flips, memo)
 
-    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need, chi: int = 1):
+        if g.dim() == 3:
+            return self._token_backward_error(attrs, g, grad, ins, out, params, ctx, need)
         w = params["weight"]
         w_abs, g_abs = w.abs(), g.abs()
         input_field = None
@@ -723,8 +727,10 @@ class Linear(Op):
             squares = 2 * (squares + (g_abs * g_abs).T @ (a_error * a_error))
             upstream = grad.error.sum(dim=0) + (grad.flips.sum(dim=0) if _has(grad.flips) else 0.0)
             second_order = float(a_error.max()) * upstream.view(-1, 1)
-        # each term of a weight-gradient element is one sample: samples share no rounding (χ* = 1) unless coupled
-        chi = roundoff.dependency_count(0, 1, coupled_terms(n, ins[0], grad))
+        # each term of a weight-gradient element is one sample (or token): tokens of a sample may share roundings,
+        # and errors coupled across the batch (a training-mode batch norm) share them with every term
+        coupled = coupled_terms(n, ins[0], grad)
+        chi = chi if coupled is None else coupled
         propagated = ctx.sum_of_errors(deterministic, squares, chi) + second_order
         if _has(grad.flips):
             propagated = propagated + grad.flips.T @ a_abs
@@ -732,8 +738,22 @@ class Linear(Op):
         parts = {"weight": Parts(n, abs_sum, ctx.gamma(n) * abs_sum, rounding, propagated,
                                  grad.flip_count + ins[0].flips)}
         if "bias" in params:
-            parts["bias"] = _bias_parts(g, g_abs, grad, (0,), roundoff.dependency_count(0, 1, coupled_terms(n, grad)), ctx)
+            parts["bias"] = _bias_parts(g, g_abs, grad, (0,), chi, ctx)
         return [input_field], parts
+
+    def _token_backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        """Tokens (N, T, F) as N·T rows: each row's input gradient is a row's, the weight and bias gradients sum over
+        all rows; χ* = T (Janson 2004): a sample's tokens may share every rounding upstream (attention mixes them)."""
+        tokens = g.shape[1]
+        rows = lambda t: None if t is None else t.reshape(-1, t.shape[-1])  # noqa: E731
+        flat_in = [Field(rows(f.value), rows(f.error), None, f.flips) for f in ins]
+        flat_grad = GradField(rows(grad.error), rows(grad.flips), None, grad.flip_count, grad.owned)
+        (field,), parts = self.backward_error(attrs, rows(g), flat_grad, flat_in, out, params, ctx, need, chi=tokens)
+        if field is not None:
+            shape = ins[0].value.shape
+            field = GradField(field.error.reshape(shape), None if field.flips is None else field.flips.reshape(shape),
+                              None, field.flip_count)
+        return [field], parts
 
 
 def _shape_text(shape) -> str:
