@@ -9,6 +9,7 @@ from torch import nn
 from precision_lab.compute import autograd_forward_backward, forward_backward
 from precision_lab.model import ModelSpecError
 from precision_lab.modules import from_module
+from precision_lab.ops import OPS
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference
 from precision_lab.verdict import judge
@@ -342,3 +343,55 @@ def test_scaled_dot_product_attention_without_its_scale_in_the_backward_is_named
     judgement = judge(forward_backward(problem, "float32", rules={index: rule}), reference(problem))
     assert judgement.verdict == "defect"
     assert judgement.cause is not None and "out of its backward" in judgement.cause, judgement.to_text()
+
+
+class PreNormViT(nn.Module):
+    """A pre-norm ViT block as transformers are written: LayerNorm before the attention and before the MLP, a final
+    LayerNorm before the pooled head."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.patch = nn.Conv2d(2, d, 4, stride=4)
+        self.norm1, self.norm2, self.norm3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.fc1, self.fc2, self.head = nn.Linear(d, 2 * d), nn.Linear(2 * d, d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        t = self.patch(x).flatten(2).transpose(1, 2)
+        h = self.norm1(t)
+        t = t + self.attn(h, h, h, need_weights=False)[0]
+        t = t + self.fc2(F.gelu(self.fc1(self.norm2(t))))
+        return self.head(self.norm3(t).mean(dim=1))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_pre_norm_vit_block_walks_as_autograd_and_its_pytorch_run_is_rounding(seed):
+    network = _converted(PreNormViT)
+    assert [layer.op for layer in network.layers].count("layer_norm") == 3
+    _walks_as_autograd(network)
+    problem = make_problem(16, 2, seed, network=network)
+    judgement = judge(autograd_forward_backward(problem, "float32"), reference(problem))
+    assert judgement.verdict == "roundoff", judgement.to_text()
+
+
+@pytest.mark.parametrize("which, says", [(0, "statistics as constants"), (1, "over the tokens")])
+def test_a_layer_norm_slip_in_a_vit_block_is_named(which, says):
+    network = _converted(PreNormViT)
+    index = next(i for i, layer in enumerate(network.layers) if layer.op == "layer_norm")
+    problem = make_problem(16, 2, 0, network=network)
+    slip = OPS["layer_norm"].port_slips(network.layers[index].attrs, (16, 8))[which]
+    judgement = judge(forward_backward(problem, "float32", rules={index: slip.rule()}), reference(problem))
+    assert judgement.verdict == "defect"
+    assert judgement.cause is not None and says in judgement.cause, judgement.to_text()
+
+
+def test_the_pre_norm_vit_example_reads_as_pytorchs_block_and_its_run_is_rounding():
+    from precision_lab.model import load_model
+    from precision_lab.paths import ROOT
+
+    network = load_model(ROOT / "examples" / "models" / "vit-prenorm-block.json")
+    assert network.param_shapes == _converted(PreNormViT).param_shapes  # nn.Module's state_dict names and shapes
+    _walks_as_autograd(network, 16)
+    problem = make_problem(16, 2, 2, network=network)
+    judgement = judge(autograd_forward_backward(problem, "float32"), reference(problem))
+    assert judgement.verdict == "roundoff", judgement.to_text()
