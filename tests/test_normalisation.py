@@ -415,3 +415,50 @@ def test_a_layer_norm_the_spec_cannot_hold_is_refused_with_the_alternative(modul
 
     with pytest.raises(OpSpecError, match=says):
         OPS["layer_norm"].from_torch_module(module)
+
+
+class NormedNet(nn.Module):
+    """A batch norm after a bias-free conv and a layer norm in the classifier head, to export to ONNX."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn = nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.c2, self.fc = nn.Conv2d(8, 4, 3, padding=1), nn.Linear(4, 16)
+        self.norm, self.out = nn.LayerNorm(16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.flatten(F.adaptive_avg_pool2d(self.c2(F.relu(self.bn(self.c1(x)))), 1), 1)
+        return self.out(F.gelu(self.norm(self.fc(h))))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_an_onnx_export_reads_batch_and_layer_norms_as_from_module_and_computes_as_the_module(training, tmp_path):
+    pytest.importorskip("onnx")
+    import io
+    import warnings
+
+    from precision_lab.modules import SpecModule
+    from precision_lab.onnx_import import read_onnx
+
+    torch.manual_seed(0)
+    module = NormedNet()
+    module(torch.randn(4, 1, 16, 16))  # running statistics other than PyTorch's fresh 0 and 1
+    module.train(training)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():  # the TorchScript exporter's notices; unfolded, so the batch norm stays a node
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, torch.randn(2, 1, 16, 16), buffer, dynamo=False, opset_version=17,
+                          input_names=["x"], do_constant_folding=False, dynamic_axes={"x": {0: "N", 2: "H", 3: "W"}},
+                          training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL)
+    path = tmp_path / "normed.onnx"
+    path.write_bytes(buffer.getvalue())
+    imported, params = read_onnx(path, loss="cross_entropy")
+    converted = from_module(module, loss="cross_entropy", input_channels=1)
+    assert [(layer.op, layer.attrs) for layer in imported.layers] == [(layer.op, layer.attrs) for layer in converted.layers]
+    assert imported.param_shapes == converted.param_shapes
+    lab = SpecModule(imported, dtype=torch.float64)
+    lab.load_state_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in params.items()})
+    x = torch.randn(2, 1, 16, 16, dtype=torch.float64)
+    with torch.no_grad():
+        expected = module.double()(x)
+        assert (lab(x) - expected).abs().max() <= 1e-12 * expected.abs().max()

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from . import (REQUIRED, Field, GradField, Op, OpSpecError, OtherAttributes, Parts, PortSlip, Rule, SharedDraw,
                coupled_terms, gamma_over_lambda, register)
 from .. import roundoff
+from .onnx_reading import OnnxRead, attr, require
 
 #: r̂'s own rounding in units of u: √ then ÷ (two roundings), or rsqrtf's 2 ulp ≤ 4u (CUDA's documented maximum)
 RSQRT_UNITS = 4.0
@@ -432,6 +433,21 @@ class BatchNorm2d(Normalisation):
 
     torch_modules = (torch.nn.BatchNorm2d,)
     torch_calls = (F.batch_norm,)
+    onnx_ops = ("BatchNormalization",)
+
+    def from_onnx_node(self, node, graph):
+        """ONNX BatchNormalization (X, scale, B, mean, var): an inference export (training_mode 0, the exporters'
+        default) reads as evaluation mode with its running statistics; training_mode 1 as training mode."""
+        scale, bias, mean, var = (graph.constant(t) for t in node.inputs[1:5])
+        require(all(t is not None and t.ndim == 1 for t in (scale, bias, mean, var)), "its scale, bias, mean and "
+                "variance are not constant vectors (initializers)")
+        require(len(graph.shape(node.inputs[0])) == 3, "normalises no image (N, C, H, W)")
+        training = bool(int(attr(node, "training_mode", 0)))
+        attrs = {"channels": int(scale.size), "training": training, "eps": float(attr(node, "epsilon", 1e-5))}
+        if not training:
+            attrs |= {"running_mean": [float(v) for v in mean], "running_var": [float(v) for v in var]}
+        return OnnxRead(attrs, graph.data_inputs(node)[:1], node.outputs[0], params={"weight": scale, "bias": bias},
+                        param_sources={"weight": node.inputs[1], "bias": node.inputs[2]})
 
     def check(self, attrs):
         attrs = super().check(attrs)
@@ -580,6 +596,20 @@ class LayerNorm(Normalisation):
 
     torch_modules = (torch.nn.LayerNorm,)
     torch_calls = (F.layer_norm,)
+    onnx_ops = ("LayerNormalization",)
+
+    def from_onnx_node(self, node, graph):
+        """ONNX LayerNormalization (opset 17: X, Scale, B) over the last axis only."""
+        shape = graph.shape(node.inputs[0])
+        require(int(attr(node, "axis", -1)) in (-1, len(shape)), "normalises more than the last axis (axis "
+                f"{attr(node, 'axis', -1)}): the spec's layer_norm takes the last axis only")
+        scale = graph.constant(node.inputs[1])
+        bias = graph.constant(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
+        require(scale is not None and bias is not None and scale.ndim == 1, "its Scale and B are not constant "
+                "vectors (initializers)")
+        return OnnxRead({"features": int(scale.size), "eps": float(attr(node, "epsilon", 1e-5))},
+                        graph.data_inputs(node)[:1], node.outputs[0], params={"weight": scale, "bias": bias},
+                        param_sources={"weight": node.inputs[1], "bias": node.inputs[2]})
 
     def check(self, attrs):
         attrs["features"] = _positive(attrs["features"], "features")
