@@ -188,20 +188,8 @@ def _as_array(where: str, name: str, value, dtype: np.dtype) -> np.ndarray:
 def response_arrays(request: Request, loss, grads: dict, output=None) -> dict[str, np.ndarray]:
     """The response arrays in the request's layout and dtype, every name and shape checked first."""
     where = f"response to {request.path}"
-    if not isinstance(grads, dict):
-        raise ProtocolError(f"{where}: gradients must be a dict {{parameter name: array}}, got {type(grads).__name__}")
-    names = request.parameter_names
-    missing = [name for name in names if name not in grads]
-    if missing:
-        raise ProtocolError(f"{where}: no gradient for {missing[0]!r} (expected one per parameter: {', '.join(names)})")
-    extra = sorted(set(grads) - set(names))
-    if extra:
-        raise ProtocolError(f"{where}: {extra[0]!r} is not a parameter of the network (parameters: {', '.join(names)})")
-    loss = _as_array(where, "loss", loss, request.dtype)
-    if loss.size != 1:
-        raise ProtocolError(f"{where}: 'loss' has shape {loss.shape}, expected a scalar")
-    arrays = {"loss": np.asarray(loss.reshape(()), request.dtype)}
-    for name in names:
+    arrays = _loss_checked(where, request, loss, grads, "parameter", "a parameter of the network (parameters")
+    for name in request.parameter_names:
         grad = _as_array(where, f"{name}.grad", grads[name], request.dtype)
         expected = request.shape_of(name)
         if grad.shape != expected:
@@ -223,24 +211,28 @@ def response_arrays(request: Request, loss, grads: dict, output=None) -> dict[st
     return arrays
 
 
-def opaque_response_arrays(request: OpaqueRequest, loss, grads: dict) -> dict[str, np.ndarray]:
-    """`loss` and `<parameter>.grad` for every listed parameter, each checked: name, shape, dtype, finite."""
-    where = f"response to {request.path}"
+def _loss_checked(where: str, request, loss, grads, each: str, belongs: str) -> dict[str, np.ndarray]:
+    """{"loss": the scalar loss}, after checking that `grads` is a dict with one gradient per parameter and no other."""
     if not isinstance(grads, dict):
         raise ProtocolError(f"{where}: gradients must be a dict {{parameter name: array}}, got {type(grads).__name__}")
     names = request.parameter_names
     missing = [name for name in names if name not in grads]
     if missing:
-        raise ProtocolError(f"{where}: no gradient for {missing[0]!r} (expected one per listed parameter: "
-                            f"{', '.join(names)})")
+        raise ProtocolError(f"{where}: no gradient for {missing[0]!r} (expected one per {each}: {', '.join(names)})")
     extra = sorted(set(grads) - set(names))
     if extra:
-        raise ProtocolError(f"{where}: {extra[0]!r} is not a listed parameter (model.parameters: {', '.join(names)})")
+        raise ProtocolError(f"{where}: {extra[0]!r} is not {belongs}: {', '.join(names)})")
     loss = _as_array(where, "loss", loss, request.dtype)
     if loss.size != 1:
         raise ProtocolError(f"{where}: 'loss' has shape {loss.shape}, expected a scalar")
-    arrays = {"loss": np.asarray(loss.reshape(()), request.dtype)}
-    for name in names:
+    return {"loss": np.asarray(loss.reshape(()), request.dtype)}
+
+
+def opaque_response_arrays(request: OpaqueRequest, loss, grads: dict) -> dict[str, np.ndarray]:
+    """`loss` and `<parameter>.grad` for every listed parameter, each checked: name, shape, dtype, finite."""
+    where = f"response to {request.path}"
+    arrays = _loss_checked(where, request, loss, grads, "listed parameter", "a listed parameter (model.parameters")
+    for name in request.parameter_names:
         grad = _as_array(where, f"{name}.grad", grads[name], request.dtype)
         if grad.shape != request.shape_of(name):
             raise ProtocolError(f"{where}: gradient of {name!r} has shape {grad.shape}, expected "

@@ -463,7 +463,29 @@ class Concat(Op):
         return pieces, {}
 
 
-class Flatten(Op):
+class Reshaping(Op):
+    """An op that only reshapes each sample (exact): gradients and error bounds reshaped back, the errors of an element
+    reaching anywhere in the sample afterwards (radius None)."""
+
+    def call_inputs(self, tensors, args):
+        return tensors[:1]
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return [g.reshape(xs[0].shape) if need[0] else None], {}
+
+    def forward_error(self, attrs, ins, y, params, ctx):
+        error = ins[0].error
+        return Field(y, None if error is None else error.reshape(y.shape), None, ins[0].flips)
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        if not need[0]:
+            return [None], {}
+        shape = ins[0].value.shape
+        flips = grad.flips.reshape(shape) if grad.flips is not None else None
+        return [GradField(grad.error.reshape(shape), flips, None, grad.flip_count)], {}
+
+
+class Flatten(Reshaping):
     name = "flatten"
 
     flattens = True
@@ -497,9 +519,6 @@ class Flatten(Op):
                 "width fixed (export with a static input shape)")
         order = np.arange(c * h * w).reshape(c, h, w).transpose(1, 2, 0).reshape(-1)
         return OnnxRead({}, x, flat.outputs[0], absorbed=[flat], feature_order=order)
-
-    def call_inputs(self, tensors, args):
-        return tensors[:1]
 
     def from_torch_module(self, module):
         if module.start_dim != 1 or module.end_dim != -1:
@@ -539,19 +558,6 @@ class Flatten(Op):
     def forward(self, attrs, xs, params, kernels):
         return xs[0].reshape(xs[0].shape[0], -1)
 
-    def backward(self, attrs, g, xs, y, params, kernels, need):
-        return [g.reshape(xs[0].shape) if need[0] else None], {}
-
-    def forward_error(self, attrs, ins, y, params, ctx):
-        error = ins[0].error
-        return Field(y, None if error is None else error.reshape(y.shape), None, ins[0].flips)
-
-    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
-        if not need[0]:
-            return [None], {}
-        shape = ins[0].value.shape
-        flips = grad.flips.reshape(shape) if grad.flips is not None else None
-        return [GradField(grad.error.reshape(shape), flips, None, grad.flip_count)], {}
 
 
 class ZeroPad2d(Op):

@@ -12,10 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import Field, GradField, Op, OpSpecError, gamma_over_lambda, register
-
-
-def _text(shape) -> str:
-    return "(" + ", ".join("?" if s is None else str(s) for s in shape) + ")"
+from .routing import Reshaping, _text
 
 
 def _has(t) -> bool:
@@ -32,14 +29,11 @@ def per_sample_axis(dim, rank: int, what: str) -> int:
     return axis - 1
 
 
-class FlattenPixels(Op):
+class FlattenPixels(Reshaping):
     """(C, H, W) → (C, H·W): each channel's pixels in raster order (PyTorch `x.flatten(2)`)."""
 
     name = "flatten_pixels"
     torch_calls = (torch.flatten, "flatten")
-
-    def call_inputs(self, tensors, args):
-        return tensors[:1]
 
     def from_torch_call(self, target, args, kwargs):
         start = kwargs.get("start_dim", args[1] if len(args) > 1 else 0)
@@ -60,20 +54,6 @@ class FlattenPixels(Op):
 
     def forward(self, attrs, xs, params, kernels):
         return xs[0].flatten(2)
-
-    def backward(self, attrs, g, xs, y, params, kernels, need):
-        return [g.reshape(xs[0].shape) if need[0] else None], {}
-
-    def forward_error(self, attrs, ins, y, params, ctx):
-        error = ins[0].error
-        return Field(y, None if error is None else error.reshape(y.shape), None, ins[0].flips)
-
-    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
-        if not need[0]:
-            return [None], {}
-        shape = ins[0].value.shape
-        flips = grad.flips.reshape(shape) if grad.flips is not None else None
-        return [GradField(grad.error.reshape(shape), flips, None, grad.flip_count)], {}
 
 
 class Transpose(Op):
