@@ -129,6 +129,18 @@ def test_a_residual_subtracted_the_other_way_round_is_named():
     assert judgement.cause is not None and "subtracts the other way round" in judgement.cause, judgement.to_text()
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_depthwise_weight_gradient_summed_over_every_group_is_named(seed):
+    network = _network("mobile")
+    index = next(i for i, layer in enumerate(network.layers) if layer.op == "conv2d" and layer.attrs["groups"] > 1)
+    slip = next(s for s in OPS["conv2d"].port_slips(network.layers[index].attrs, (8, 24, 24)) if "every group" in s.text)
+    problem = make_problem(24, 2, seed, network=network)
+    judgement = judge(forward_backward(problem, "float32", rules={index: slip.rule()}), reference(problem))
+    assert judgement.verdict == "defect"
+    assert judgement.cause is not None and "every group's input channels" in judgement.cause, judgement.to_text()
+    assert network.layers[index].name in judgement.cause
+
+
 def test_a_gate_that_passes_no_gradient_to_its_branch_is_a_defect():
     from precision_lab.ops import BackwardReplaced, dropping
 

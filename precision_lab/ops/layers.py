@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import REQUIRED, BoundContext, Field, GradField, Op, OpSpecError, Parts, as_pair, gather_radius, positive_int
-from . import PortSlip, Rule, abs_params, coupled_terms, gamma_over_lambda, has_values, is_seed_conv, nonzero, register, sparse_points, spread
+from . import BackwardReplaced, PortSlip, Rule, abs_params, coupled_terms, gamma_over_lambda, has_values, is_seed_conv, nonzero, register, sparse_points, spread
 from .onnx_reading import OnnxRead, attr, bias_of, pads_tblr, require
 from .. import roundoff
 from ..conv.winograd_bound import winograd_scale, winograd_weight_grad_scale
@@ -126,9 +126,14 @@ class Conv2d(Op):
                 "dilation": list(module.dilation), "groups": module.groups, "bias": module.bias is not None}
 
     def port_slips(self, attrs, in_shape):
+        slips = []
+        if attrs["groups"] > 1:
+            slips.append(PortSlip("routing", "weight gradient sums the windows of every group's input channels, not its "
+                                  "own group's (a dense weight-gradient kernel folded onto the grouped weight)",
+                                  lambda: BackwardReplaced(self, _weight_grad_over_every_group)))
         if tuple(attrs["kernel"]) == (1, 1):
-            return []
-        return [PortSlip("kernel orientation", "computed as a true convolution, the kernel flipped (cuDNN's "
+            return slips
+        return slips + [PortSlip("kernel orientation", "computed as a true convolution, the kernel flipped (cuDNN's "
                          "CUDNN_CONVOLUTION mode) where the spec means cross-correlation (CUDNN_CROSS_CORRELATION, as "
                          "PyTorch and TensorFlow)", lambda: TrueConvolution(self), forward=True,
                          every=("every convolution",))]
@@ -576,6 +581,17 @@ def _order_only_backward_scales(op, attrs, g, xs, params, kernels, need, grads, 
     (live,), _ = op.backward(attrs, nonzero(g), [nonzero(xs[0])], None, {k: nonzero(v) for k, v in params.items()},
                              kernels, need)
     return [torch.minimum(roundoff.partial_sum_scale(s_in, grads[0], live, n, u), gamma_over_lambda(n, u, lam) * s_in)]
+
+
+def _weight_grad_over_every_group(op, attrs, g, xs, y, params, kernels, need):
+    """A grouped convolution's weight gradient taken densely (every input channel against every output channel's
+    gradient) and summed over the groups onto the (out, in/groups, kh, kw) weight: its own group's part plus the rest."""
+    grads, param_grads = op.backward(attrs, g, xs, y, params, kernels, need)
+    weight = params["weight"]
+    dense = dict(attrs, groups=1)
+    full = kernels.conv_weight_grad(xs[0], g, dense, (weight.shape[0], attrs["in"], *weight.shape[2:]))
+    groups, per_group = attrs["groups"], attrs["in"] // attrs["groups"]
+    return grads, dict(param_grads, weight=full.reshape(weight.shape[0], groups, per_group, *weight.shape[2:]).sum(dim=1))
 
 
 class TrueConvolution(Rule):
