@@ -304,8 +304,8 @@ def network_rows(seeds: int, batch: int, device, chosen: list[str]) -> list[dict
 
             native_ok += verdict(lambda r: r) == "roundoff"
             for layer in network.parametrised_layers:
-                names = [n for n in network.parameter_names if n.rsplit(".", 1)[0] == layer.name]
-                weight = f"{layer.name}.weight"
+                names = [n for n in network.parameter_names if network.layer_of(n) is layer]
+                weight = next(n for n in names if n.endswith("weight"))  # conv's weight, attention's in_proj_weight
                 entry = stats.setdefault(layer.name, {"zeroed": 0, "short": 0, "eps": 0.0})
                 entry["zeroed"] += verdict(lambda r: _with(r, {n: np.zeros_like(r.grads[n]) for n in names})) != "roundoff"
                 entry["short"] += verdict(lambda r: _with(r, {weight: r.grads[weight] * np.float32(0.9)})) != "roundoff"
