@@ -26,7 +26,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from .errors import LabInputError
+from .errors import ModelSpecError  # noqa: F401 - ModelSpecError is read from here too
 from .ops import OPS, LOSSES, OpSpecError
 from .ops import arity as op_arity
 from .ops.layers import Conv2d
@@ -46,10 +46,6 @@ MAX_SPEC_BYTES = 1 << 20
 LARGEST_SIDE = 4096
 #: sides tried (this to 4×) to see whether a flatten's image follows the input's size
 MIN_FREE_SIDE = 16
-
-
-class ModelSpecError(LabInputError):
-    """A model spec that cannot describe a network: the message names the layer and the fix."""
 
 
 @dataclass(frozen=True)
@@ -424,7 +420,7 @@ def _layer(raw, index: int, names: dict[str, int], where: str) -> Layer:
 
 
 #: the name `inputs` gives the network's own input (no layer may take it)
-NETWORK_INPUT = "input"
+from .ops import NETWORK_INPUT  # noqa: E402 - read from here too
 
 
 def _named_inputs(raw: dict, arity: int, names: dict[str, int], label: str) -> tuple[int, ...]:
@@ -482,8 +478,6 @@ def load_model(source: Any = None, base_dir: str | Path | None = None) -> Networ
             return parse_spec(BUILTIN_MODELS[text], text)
         path = _resolved(text, base_dir)
         if path.suffix.lower() == ONNX_SUFFIX:
-            from .onnx_import import load_onnx
-
             return load_onnx(path)
         return _load_file(path, text)
     raise ModelSpecError(f"model must be a spec mapping, a JSON/YAML file or one of {', '.join(BUILTIN_MODELS)}; "
@@ -516,9 +510,26 @@ def _onnx_form(spec: dict, base_dir: str | Path | None, where: str) -> Network:
     loss = spec.get("loss", MSE.name)
     if loss not in LOSSES:
         raise ModelSpecError(f"{where}: unknown loss {loss!r}: supported losses are {', '.join(LOSSES)}")
-    from .onnx_import import load_onnx
-
     return load_onnx(_resolved(file, base_dir), loss, spec.get("name"))
+
+
+def load_onnx(path: str | Path, loss: str = MSE.name, name: str | None = None) -> Network:
+    """The Network an ONNX file describes (its parameters' values: read_onnx)."""
+    return read_onnx(path, loss, name)[0]
+
+
+def read_onnx(path: str | Path, loss: str = MSE.name, name: str | None = None) -> tuple[Network, dict]:
+    """(Network, parameters by spec name as float32 arrays in the canonical layout) of an ONNX file
+    (precision_lab.onnx_import reads the graph into a layer-form spec)."""
+    from .onnx_import import onnx_spec
+
+    spec, params, where = onnx_spec(path, loss, name)
+    network = parse_spec(spec, where)
+    for parameter, shape in network.param_shapes.items():
+        if params[parameter].shape != shape:  # the op's layout reading and its param_shapes disagree
+            raise ModelSpecError(f"{where}: {parameter} reads as {list(params[parameter].shape)}, the spec wants "
+                                 f"{list(shape)}")
+    return network, params
 
 
 def _load_file(path: Path, given: str) -> Network:

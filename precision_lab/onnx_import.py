@@ -1,9 +1,9 @@
 """An ONNX file as a model spec (docs/models.md, "From ONNX").
 
-`read_onnx(path, loss)` walks an exported graph (torch.onnx, tf2onnx, jax2onnx) in its node order and asks the
+`onnx_spec(path, loss)` walks an exported graph (torch.onnx, tf2onnx, jax2onnx) in its node order and asks the
 op registry which op reads each node (`Op.onnx_ops`, `Op.from_onnx_node`): a layer of the layer form, the tensors
 it reads turned into its `inputs`, its initializers into its parameters in the lab's canonical layout (OIHW,
-OI). It returns the `Network` and those parameters; `load_onnx` the `Network` alone. An ONNX graph has no loss:
+OI). It returns that spec and those parameters; `precision_lab.model.read_onnx` makes the `Network` of them. An ONNX graph has no loss:
 the caller names it (`loss:` beside `onnx:` in a spec file or a candidate YAML's `model:`; mse otherwise), and the
 loss may take the graph's last node (`takes_onnx_output`: a classifier's softmax under cross_entropy).
 
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .model import NETWORK_INPUT, ModelSpecError, Network, parse_spec
+from .errors import ModelSpecError
+from .ops import NETWORK_INPUT
 from .ops import LOSSES, OPS, OpSpecError
 from .ops.losses import MSE
 from .ops.onnx_reading import OnnxGraph, OnnxNode, OnnxRead
@@ -33,13 +34,9 @@ def supported_node_types() -> list[str]:
     return sorted({t for op in OPS.values() for t in op.onnx_ops})
 
 
-def load_onnx(path: str | Path, loss: str = MSE.name, name: str | None = None) -> Network:
-    """The Network an ONNX file describes (its parameters' values: read_onnx)."""
-    return read_onnx(path, loss, name)[0]
-
-
-def read_onnx(path: str | Path, loss: str = MSE.name, name: str | None = None) -> tuple[Network, dict]:
-    """(Network, parameters by spec name as float32 arrays in the canonical layout) of an ONNX file."""
+def onnx_spec(path: str | Path, loss: str = MSE.name, name: str | None = None) -> tuple[dict, dict, str]:
+    """(layer-form spec, parameters by spec name as float32 arrays in the canonical layout, where) of an ONNX file:
+    precision_lab.model.read_onnx turns it into a Network."""
     path = Path(path)
     model = _load(path)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
@@ -149,7 +146,7 @@ class _Importer:
                                  f"--inputs-as-nchw)")
         return name, tuple(dims[1:]), nhwc
 
-    def network(self, loss: str, name: str) -> tuple[Network, dict]:
+    def network(self, loss: str, name: str) -> tuple[dict, dict, str]:
         absorbed: set[int] = {id(self.nhwc)}
         for node in self.nodes:
             if id(node) in absorbed:
@@ -173,12 +170,7 @@ class _Importer:
             raise ModelSpecError(f"{self.where}: the graph's output '{self.output}' is not computed by its last "
                                  f"node; the lab's network returns its last layer's output")
         spec = {"name": name, "input_channels": self.input_channels, "layers": self.layers, "loss": loss}
-        network = parse_spec(spec, self.where)
-        for parameter, shape in network.param_shapes.items():
-            if self.params[parameter].shape != shape:  # the op's layout reading and its param_shapes disagree
-                raise ModelSpecError(f"{self.where}: {parameter} reads as {list(self.params[parameter].shape)}, "
-                                     f"the spec wants {list(shape)}")
-        return network, self.params
+        return spec, self.params, self.where
 
     def _nhwc_output(self, node: OnnxNode) -> bool:
         """Whether `node` is the NCHW → NHWC Transpose of an image that a graph taking NHWC gives as its output (tf2onnx's

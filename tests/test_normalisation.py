@@ -438,7 +438,7 @@ def test_an_onnx_export_reads_batch_and_layer_norms_as_from_module_and_computes_
     import warnings
 
     from precision_lab.modules import SpecModule
-    from precision_lab.onnx_import import read_onnx
+    from precision_lab.model import read_onnx
 
     torch.manual_seed(0)
     module = NormedNet()

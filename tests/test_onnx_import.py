@@ -18,7 +18,7 @@ from precision_lab import cli  # noqa: E402
 from precision_lab.compute import autograd_forward_backward, forward_backward  # noqa: E402
 from precision_lab.model import ModelSpecError, load_model  # noqa: E402
 from precision_lab.modules import SpecModule, from_module  # noqa: E402
-from precision_lab.onnx_import import read_onnx  # noqa: E402
+from precision_lab.model import read_onnx  # noqa: E402
 from precision_lab.ops import OPS  # noqa: E402
 from precision_lab.problem import make_problem  # noqa: E402
 from precision_lab.reference import reference  # noqa: E402

@@ -333,7 +333,7 @@ def test_pytorchs_onnx_export_of_the_autoencoder_reads_as_from_module_and_comput
     import warnings
 
     from precision_lab.modules import SpecModule
-    from precision_lab.onnx_import import read_onnx
+    from precision_lab.model import read_onnx
 
     torch.manual_seed(0)
     module = Autoencoder().eval()

@@ -28,6 +28,8 @@ from .. import roundoff
 
 #: marks an attribute without a default
 REQUIRED = object()
+#: the reserved name of the network's input among a layer's `inputs`
+NETWORK_INPUT = "input"
 
 
 class OpSpecError(ValueError):
