@@ -372,6 +372,40 @@ def test_a_bound_the_error_model_cannot_make_finite_neither_passes_nor_excuses_a
     assert judge(run, trace, "float32").verdict == "defect"
 
 
+class DeepDnCNN(nn.Module):
+    """The DnCNN layout at depth: conv–ReLU, then conv–BN–ReLU blocks, a conv, and x − f(x)."""
+
+    def __init__(self, depth: int, channels: int):
+        super().__init__()
+        layers = [nn.Conv2d(1, channels, 3, padding=1), nn.ReLU()]
+        for _ in range(depth - 2):
+            layers += [nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU()]
+        self.body = nn.Sequential(*layers, nn.Conv2d(channels, 1, 3, padding=1))
+
+    def forward(self, x):
+        return x - self.body(x)
+
+
+def test_a_deep_batch_norm_stack_keeps_its_parameters_own_bounds_finite():
+    """Through six training-mode batch norms the worst-case upstream error leaves no relative accuracy, but a batch
+    norm's own rounding does not depend on it: every γ's own part stays finite, the sampled propagation bounds the
+    rest, PyTorch's float32 run is roundoff and a first layer's gradient 1% short is a defect."""
+    from precision_lab import errmodel
+
+    torch.manual_seed(0)
+    problem = make_problem(16, 2, 0, network=from_module(DeepDnCNN(8, 8), name="dncnn-8"))
+    trace = reference(problem)
+    bounds = errmodel.error_bounds(trace, "float32")
+    for name in problem.network.parameter_names:
+        assert np.isfinite(bounds[name].accumulation).all(), name
+        assert np.isfinite(bounds[name].bound).all(), name
+    run = autograd_forward_backward(problem, "float32")
+    judgement = judge(run, trace)
+    assert judgement.verdict == "roundoff", judgement.to_text()
+    run.grads["body.0.weight"] = run.grads["body.0.weight"] * 0.99
+    assert judge(run, trace).quantities["body.0.weight"].verdict == "defect"
+
+
 class NormedHead(nn.Module):
     """A classifier head with a layer norm over its hidden features (a transformer's MLP head)."""
 

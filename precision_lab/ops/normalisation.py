@@ -203,11 +203,14 @@ class Normalisation(Op):
             mu, var = self.statistics(attrs, x)
             mean_error = mean(error)
             own_mu = ctx.gamma(m) * mean(x.abs()) + u * mu.abs()
-            squares = mean((x.abs() + error).square())
-            own_var = (ctx.gamma(VARIANCE_ROUNDINGS * m) * squares + (2 * mu.abs() + 2 * mean_error + own_mu) * own_mu
+            squares, perturbed = mean(x.square()), mean((x.abs() + error).square())
+            own_var = (ctx.gamma(VARIANCE_ROUNDINGS * m) * squares + (2 * mu.abs() + own_mu) * own_mu
                        + 2 * u * (squares + mu.square()))
             d = x - self.each(attrs, mu, x)
-            upstream_var = 2 * mean(d.abs() * error) + mean(error.square())
+            # what the upstream error adds to the variance's roundings and to the mean's is upstream's, so the own part
+            # (its parameters' own bound) stays finite where E is not
+            upstream_var = (2 * mean(d.abs() * error) + mean(error.square()) + 2 * mean_error * own_mu
+                            + (ctx.gamma(VARIANCE_ROUNDINGS * m) + 2 * u) * (perturbed - squares))
             e_mu, e_var = own_mu + mean_error, own_var + upstream_var
         else:
             m = 1
