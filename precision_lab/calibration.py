@@ -68,10 +68,7 @@ def noise_floor(problem: Problem, device="cpu", reference=None, members: tuple[s
     """
     reference = reference if reference is not None else make_reference(problem, device)
     bounds = errmodel.error_bounds(reference, "float32")
-    legit = [c for c in registry().values() if c.family == "legitimate" and c.claimed_precision == "float32"
-             and c.supports(device) and c.applies_to(problem.network) and (members is None or c.name in members)]
-    if len(legit) < 5:
-        raise ValueError(f"noise floor needs at least 5 legitimate float32 members, found {[c.name for c in legit]}")
+    legit = floor_members(problem.network, device, members)
     names = errmodel.quantities(problem.network)
     rows, stacks = [], {name: [] for name in names}
     for candidate in legit:
@@ -84,6 +81,26 @@ def noise_floor(problem: Problem, device="cpu", reference=None, members: tuple[s
             spread = np.ptp(np.stack(stack), axis=0)
             rows.append(_floor_row(name, "ensemble-spread", spread, bounds[name]))
     return pd.DataFrame(rows)
+
+
+#: the ensemble's size: requested members that do not apply to a network are replaced by others up to it
+FLOOR_MEMBERS = 5
+
+
+def floor_members(network, device="cpu", members: tuple[str, ...] | None = None) -> list:
+    """The legitimate float32 candidates of the noise floor: the requested ones that apply to `network` (all when
+    None), topped up to FLOOR_MEMBERS with other legitimate ones that apply (a batch norm in training rules out
+    micro-batching; a network without a 3×3 convolution, the hand-written convolution algorithms).
+
+    A spread needs two members: fewer is a ValueError naming the ones found."""
+    usable = [c for c in registry().values() if c.family == "legitimate" and c.claimed_precision == "float32"
+              and c.supports(device) and c.applies_to(network)]
+    chosen = [c for c in usable if members is None or c.name in members]
+    chosen += [c for c in usable if c not in chosen][:max(0, FLOOR_MEMBERS - len(chosen))]
+    if len(chosen) < 2:
+        raise ValueError(f"noise floor needs at least 2 legitimate float32 members for {network.name}, found "
+                         f"{[c.name for c in chosen]}")
+    return chosen
 
 
 def _floor_row(name: str, member: str, deviation: np.ndarray, bound: errmodel.QuantityBound) -> dict:

@@ -145,6 +145,21 @@ def test_noise_floor_ensemble_sits_under_the_bound():
     assert spread.loc["conv2.weight", "max_abs_err"] > 0  # the members really differ
 
 
+
+def test_a_noise_floor_member_that_does_not_apply_is_replaced():
+    """A training-mode batch norm makes each micro-batch another function: the notebook's default members lose
+    micro-batching and another legitimate order takes its place, all under the bound."""
+    from precision_lab.calibration import FLOOR_MEMBERS, noise_floor
+    from precision_lab.model import load_model
+
+    problem = make_problem(16, 2, 0, network=load_model("examples/models/dncnn-bn.json"))
+    requested = ("layered-native", "micro-batched", "conv-direct", "conv-im2col", "conv-winograd-f4x3")
+    floor = noise_floor(problem, members=requested)
+    members = set(floor["member"]) - {"ensemble-spread"}
+    assert len(members) == FLOOR_MEMBERS and "micro-batched" not in members
+    assert set(requested) - {"micro-batched"} <= members
+    assert floor["bound_ratio"].max() <= 1.0
+
 def test_second_ratio_is_the_second_largest_element_ties_included():
     from precision_lab.compare import measure
 
