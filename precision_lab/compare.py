@@ -137,7 +137,8 @@ def _second_largest(values: np.ndarray) -> float:
 def bound_fraction(ref: np.ndarray, bound: np.ndarray) -> float:
     """‖bound‖₂ ÷ ‖reference‖₂ (0 for a reference exactly zero: nothing to lose, any error is its own)."""
     size = float(np.linalg.norm(ref))
-    return float(np.linalg.norm(bound)) / size if size > 0 else 0.0
+    with np.errstate(over="ignore"):  # a bound beyond 1e154 squares to inf: its norm is inf, a fraction that certifies nothing
+        return float(np.linalg.norm(bound)) / size if size > 0 else 0.0
 
 
 def certify(q: QuantityVerdict, ref: np.ndarray, bound: np.ndarray) -> None:
