@@ -207,6 +207,17 @@ class Op:
     def describe(self, attrs: dict) -> str:
         return self.name
 
+    # arrays the request carries beyond the parameters (a training dropout's mask) ----------------------
+    def request_masks(self, attrs: dict) -> tuple[str, ...]:
+        """Suffixes of the masks a request carries for this layer ('<layer>.mask'), each of the layer's output shape,
+        batch included: drawn by the lab from the problem's seed, read by forward and backward through `params`,
+        never differentiated, answered or judged."""
+        return ()
+
+    def draw_mask(self, attrs: dict, suffix: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        """One mask of `request_masks` (float64 on the host), drawn from `generator`."""
+        raise NotImplementedError(f"op {self.name} carries no mask {suffix!r}")
+
     def couples_batch(self, attrs: dict) -> bool:
         """Whether one sample's output reads the other samples (a training-mode batch norm): a sub-batch then computes
         another function, and errors shared across samples are marked `coupled` (Field)."""
@@ -526,7 +537,7 @@ def n_spatial(shape) -> int:
     return math.prod(shape[2:]) if len(shape) > 2 else 1
 
 
-from . import layers, losses, pointwise, routing  # noqa: E402,F401 - each registers its ops
+from . import layers, losses, pointwise, dropout, routing  # noqa: E402,F401 - each registers its ops
 from . import transposed  # noqa: E402,F401 - registered after layers: its rules are a convolution's, roles swapped
 from . import arithmetic  # noqa: E402,F401 - registered after routing: its ops build on add
 from . import normalisation  # noqa: E402,F401 - registers batch_norm2d, group_norm
