@@ -296,3 +296,21 @@ def test_the_same_slip_in_every_dropout_is_one_cause():
     judgement = judge(forward_backward(problem, "float32", rules=rules), reference(problem))
     assert judgement.verdict == "defect"
     assert judgement.cause == "every dropout mask inverted (drops the kept elements)", judgement.to_text()
+
+
+@pytest.mark.parametrize("index, text, says", [
+    (2, "backward: mask missing", "drop1 backward: mask missing (scaled by 1/(1 − p) only)"),
+    (5, "backward leaves out the scale", "drop2 backward: leaves out the scale 1/(1 − p)"),
+    (5, "mask inverted", "drop2 forward: beyond its own rounding bound")])
+def test_intermediates_localise_a_dropout_slip_to_its_layer(index, text, says):
+    from precision_lab.model import load_model
+
+    # drop1 at p = 0.1 (its scale rounds), drop2 at p = 0.5 (exact)
+    network = load_model(ROOT / "examples" / "models" / "dropout-denoiser.json")
+    slip = next(s for s in OPS["dropout"].port_slips(network.layers[index].attrs, (16, 16, 16)) if text in s.text)
+    problem = make_problem(16, 2, 0, network=network)
+    judgement = judge(forward_backward(problem, "float32", rules={index: slip.rule()}, intermediates=True),
+                      reference(problem))
+    assert judgement.verdict == "defect" and judgement.localisation.startswith(says), judgement.to_text()
+    # the right walk's intermediates localise nothing
+    assert judge(forward_backward(problem, "float32", intermediates=True), reference(problem)).localisation is None

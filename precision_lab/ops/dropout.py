@@ -174,6 +174,18 @@ class Dropout(Op):
         return [self._sampled(attrs, grads[0], u) if need[0] else None]
 
     # what a port gets wrong -------------------------------------------------------------------------
+    def local_slip(self, attrs, g, theirs, expected, bound, u, ratio):
+        """The localised backward's slip: g·s (the mask missing) or g·mask (the scale left out), each within the
+        bound plus its own γ₂ rounding."""
+        if not attrs["training"] or attrs["p"] == 0:
+            return None
+        unmasked, unscaled = g * keep_scale(attrs), expected / keep_scale(attrs)
+        if ratio(theirs, unmasked, bound + gamma2(u) * unmasked.abs()) <= 1.0:
+            return "mask missing (scaled by 1/(1 − p) only)"
+        if ratio(theirs, unscaled, bound + gamma2(u) * unscaled.abs()) <= 1.0:
+            return "leaves out the scale 1/(1 − p)"
+        return None
+
     def port_slips(self, attrs, in_shape):
         if not attrs["training"] or attrs["p"] == 0:
             return []
