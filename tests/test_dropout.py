@@ -103,9 +103,10 @@ def test_pytorchs_own_dropout_is_input_times_mask_times_scale_bitwise():
 # the mask travels with the request
 
 
-def test_a_request_carries_the_mask_and_reads_back_the_same_problem(tmp_path):
+@pytest.mark.parametrize("raw", [False, True])
+def test_a_request_carries_the_mask_and_reads_back_the_same_problem(tmp_path, raw):
     problem = make_problem(16, 2, 0, network=NETWORK)
-    write_request(problem, tmp_path / "req", "float64", "HWIO")
+    write_request(problem, tmp_path / "req", "float64", "HWIO", raw=raw)
     found = read_bundle(tmp_path / "req", ("request",))
     assert found.arrays["drop.mask"].dtype == np.float64 and "drop.mask.grad" not in found.arrays
     again = problem_from_bundle(found)

@@ -8,6 +8,8 @@ Every op is one class registered under its spec name. It says, for itself:
 * its forward and its backward in any dtype (`forward`, `backward`), through `Kernels` (which
   convolution algorithm, which operand rounding), so the same walk gives the float32 candidates,
   the float64 reference and the emulated formats;
+* the masks a request carries for it beyond its parameters (`request_masks`, `draw_mask`: a training
+  dropout's `<layer>.mask`, drawn by the lab from the seed, handed to forward and backward with the parameters);
 * its part of the rounding-error model (`forward_error`, `backward_error`): term counts n,
   absolute-term sums S, how an upstream error propagates through it (ReLU flips within the bound,
   max-pool switches between near-tied inputs, routing through upsample and concat, add).
