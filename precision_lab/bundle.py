@@ -10,7 +10,8 @@ Every error is one line naming the file, the key and what was expected (`BundleE
 Array names follow the bundle's network (its `model`, either form of the model spec): `input`
 (N, C, H, W), `target` (the output's shape for mse; int64 class indices (N,) or (N, H, W) for
 cross_entropy), `<name>.weight` / `<name>.bias` (4-D weights in `weight_layout`, 2-D ones in its
-order of O and I), and in a response `loss`, `<param>.grad`, optionally `output` and, for named
+order of O and I), a training dropout's `<layer>.mask` (0/1, its output's shape, batch included: no
+parameter, never answered), and in a response `loss`, `<param>.grad`, optionally `output` and, for named
 layers, `<layer>.output` and `<layer>.output.grad` (intermediates, for localisation).
 """
 from __future__ import annotations
@@ -116,6 +117,8 @@ def request_arrays(problem: Problem, precision: str, weight_layout: str) -> dict
     arrays = {"input": problem.input.astype(dtype), "target": target}
     for name in problem.network.parameter_names:
         arrays[name] = to_layout(problem.params[name].astype(dtype), weight_layout)
+    for name in problem.network.mask_names:
+        arrays[name] = problem.masks[name].astype(dtype)  # 0 and 1: exact in every exchange dtype
     return arrays
 
 
@@ -329,6 +332,7 @@ def expected_shapes(kind: str, weight_layout: str, input_shape: tuple[int, ...],
     for name, shape in network.param_shapes.items():
         request[name] = shape_in_layout(shape, weight_layout)
         response[f"{name}.grad"] = shape_in_layout(shape, weight_layout)
+    request.update(network.mask_shapes(batch, height, width))  # masks: request arrays only, never a gradient
     return {"request": request, "response": response, "static": {**request, **response}}[kind]
 
 
@@ -512,7 +516,7 @@ def problem_from_bundle(bundle: Bundle) -> Problem:
     """
     network = bundle.network or seed_network()
     arrays = {}
-    for name in ("input", "target", *network.parameter_names):
+    for name in ("input", "target", *network.parameter_names, *network.mask_names):
         value = bundle.arrays[name]
         if value.dtype == np.int64:
             arrays[name] = value
@@ -523,9 +527,14 @@ def problem_from_bundle(bundle: Bundle) -> Problem:
                               f"exactly; the lab's reference starts from float32 values (cast them first)")
         arrays[name] = from_layout(as_float32, bundle.weight_layout) if name in network.param_shapes else as_float32
     params = {name: arrays[name] for name in network.parameter_names}
+    masks = {name: arrays[name] for name in network.mask_names}
+    for name, mask in masks.items():
+        if not np.all((mask == 0) | (mask == 1)):
+            raise BundleError(f"{bundle.path}: {name!r} holds values other than 0 and 1 (a dropout mask: 1 keeps, "
+                              f"0 drops)")
     seed = bundle.manifest.get("seed", -1)
     return Problem(arrays["input"], arrays["target"], params, seed if isinstance(seed, int) else -1, str(bundle.path),
-                   network)
+                   network, masks=masks)
 
 
 def result_from_bundle(bundle: Bundle) -> Result:

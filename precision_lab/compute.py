@@ -103,21 +103,25 @@ class Trace(Result):
 def to_tensors(problem: Problem, dtype: str = "float32", device: str | torch.device = "cpu"
                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Input, target and parameters as tensors, cast exactly from the float32 values (targets of a
-    cross-entropy stay int64 class indices)."""
+    cross-entropy stay int64 class indices); the request's masks ('<layer>.mask', exact 0/1) ride with the
+    parameters, where their layer's op reads them, but are never differentiated."""
     torch_dtype = TORCH_DTYPES[dtype]
     x = torch.from_numpy(problem.input).to(device=device, dtype=torch_dtype)
     target = torch.from_numpy(problem.target).to(device=device)
     if target.is_floating_point():
         target = target.to(torch_dtype)
-    params = {k: torch.from_numpy(v).to(device=device, dtype=torch_dtype) for k, v in problem.params.items()}
+    params = {k: torch.from_numpy(v).to(device=device, dtype=torch_dtype)
+              for k, v in {**problem.params, **problem.masks}.items()}
     return x, target, params
 
 
 def layer_params(params: dict[str, torch.Tensor], layer) -> dict[str, torch.Tensor]:
-    """The parameters of one layer by suffix ('weight', 'bias')."""
+    """The parameters of one layer by suffix ('weight', 'bias'), and the masks the request carries for it ('mask')."""
     if not layer.name:
         return {}
-    suffixes = OPS[layer.op].param_shapes(layer.attrs)  # 'weight', 'bias'; an attention's 'in_proj_weight', …
+    op = OPS[layer.op]
+    # 'weight', 'bias'; an attention's 'in_proj_weight', …; a training dropout's 'mask'
+    suffixes = (*op.param_shapes(layer.attrs), *op.request_masks(layer.attrs))
     return {suffix: params[f"{layer.name}.{suffix}"] for suffix in suffixes if f"{layer.name}.{suffix}" in params}
 
 
@@ -232,7 +236,8 @@ def _forward_backward(problem, dtype, device, kernels, keep_trace, rules, interm
     if not keep_trace:
         return Result(**common)
     x64 = torch.from_numpy(problem.input).to(device=device, dtype=torch.float64)
-    params32 = {k: torch.from_numpy(v).to(device=device, dtype=torch.float32) for k, v in problem.params.items()}
+    params32 = {k: torch.from_numpy(v).to(device=device, dtype=torch.float32)
+                for k, v in {**problem.params, **problem.masks}.items()}
     target_kept = target if not target.is_floating_point() else target.to(torch.float64)
     return Trace(**common, problem=problem, values=stored_values, grads_at=stored_grads, input=x64,
                  target=target_kept, params=params32)
@@ -267,6 +272,7 @@ def autograd_forward_backward(problem: Problem, dtype: str = "float32", device: 
     with torch.no_grad():
         for name, value in module.named_parameters():
             value.copy_(params[name])
+    module.carry({name: params[name] for name in problem.masks})  # the request's masks: no draw of PyTorch's own
     y = module(x)
     loss = module.loss(y, target)
     loss.backward()

@@ -160,6 +160,19 @@ class Network:
     def output_shape(self, height: int, width: int) -> tuple[int, ...]:
         return self.shapes(height, width)[-1]
 
+    @property
+    def mask_names(self) -> tuple[str, ...]:
+        """The masks a request carries beyond the parameters ('<layer>.mask' of a training dropout), in layer order."""
+        return tuple(f"{layer.name}.{suffix}" for layer in self.layers for suffix in OPS[layer.op].request_masks(layer.attrs))
+
+    def mask_shapes(self, batch: int, height: int, width: int) -> dict[str, tuple[int, ...]]:
+        """Each mask's shape: its layer's output, batch included (a mask is drawn per sample)."""
+        if not self.mask_names:
+            return {}
+        shapes = self.shapes(height, width)
+        return {f"{layer.name}.{suffix}": (batch, *shapes[layer.index]) for layer in self.layers
+                for suffix in OPS[layer.op].request_masks(layer.attrs)}
+
     def fits(self, height: int, width: int) -> bool:
         try:
             self.check_size(height, width)
@@ -416,6 +429,10 @@ def _layer(raw, index: int, names: dict[str, int], where: str) -> Layer:
         attrs = OPS[op].normalise(attrs)
     except OpSpecError as exc:
         raise ModelSpecError(f"{label}: {exc}") from None
+    masks = OPS[op].request_masks(attrs)
+    if masks and not name:
+        raise ModelSpecError(f"{label}: this {op} layer reads a mask the request carries and needs a unique 'name' "
+                             f"(its mask is '<name>.{masks[0]}')")
     return Layer(index, op, attrs, name, source, reads)
 
 

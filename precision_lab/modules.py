@@ -24,10 +24,18 @@ class SpecModule(nn.Module):
         place = {"device": device, "dtype": dtype}  # built where it runs: no host copy to move
         self.network = network
         self.steps = []
+        self.held = set()  # layers whose op has a module (parameters, or a training dropout's mask buffer)
         for layer in network.layers:
             module = OPS[layer.op].torch_module(layer.attrs, **place)
             if module is not None:
                 self._add(layer.name, module)
+                self.held.add(layer.name)
+
+    def carry(self, masks: dict) -> None:
+        """Hand each mask the request carries ('<layer>.mask') to its layer's module, as a buffer (not a parameter)."""
+        for name, value in masks.items():
+            layer, suffix = name.rsplit(".", 1)
+            self._module(layer).register_buffer(suffix, value)
 
     def _add(self, name: str, module: nn.Module) -> None:
         # a dotted name ('enc.conv1') becomes nested modules, so state_dict keys read 'enc.conv1.weight'
@@ -50,7 +58,8 @@ class SpecModule(nn.Module):
         for layer in self.network.layers:
             op = OPS[layer.op]
             xs = [outputs[i] for i in layer.inputs]
-            outputs[layer.index] = op.torch_forward(layer.attrs, xs, self._module(layer.name) if op.parametrised else None)
+            held = layer.name in self.held
+            outputs[layer.index] = op.torch_forward(layer.attrs, xs, self._module(layer.name) if held else None)
         return outputs[len(self.network.layers) - 1]
 
     def loss(self, y, target):
@@ -143,6 +152,9 @@ def _traced_layers(module: nn.Module) -> list[dict]:
             previous = node.name
             continue
         layer, inputs = _node_layer(node, submodules)
+        op = OPS[layer["op"]]
+        if "name" not in layer and op.request_masks(op.normalise({k: v for k, v in layer.items() if k != "op"})):
+            layer["name"] = node.name  # a call reading a mask the request carries (F.dropout in training): '<node>.mask'
         tensors = [a.name for a in inputs]
         arity = op_arity(OPS[layer["op"]])
         if len(tensors) != arity:

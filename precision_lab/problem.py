@@ -19,7 +19,10 @@ Documented choices (reproducible from `seed`):
   from a generator seeded with seed + 7919;
 * **weights** follow PyTorch's `nn.Conv2d`/`nn.Linear` default: U(−1/√fan_in, 1/√fan_in) for
   weights and biases (kaiming_uniform with a = √5), drawn in layer order from a
-  `torch.Generator` seeded with `seed`.
+  `torch.Generator` seeded with `seed`;
+* **masks** (a training dropout's `<layer>.mask`, float32 0/1 of the layer's output shape, batch
+  included) are drawn in layer order by each op (`Op.draw_mask`) from a `torch.Generator` seeded with
+  seed + MASK_SEED_OFFSET, so they never share a stream with the weights; they are not parameters.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import torch
 
 from .sizes import MIN_SIDE, ProblemError, parse_size  # light: the CLI checks sizes before importing torch
 from .model import Network, load_model, seed_network
-from .ops import LOSSES
+from .ops import LOSSES, OPS
 
 #: what `targets` may say: the task's own targets, or random ones (a probe that decorrelates the gradient)
 TARGET_KINDS = ("task", "random")
@@ -51,6 +54,7 @@ class Problem:
     source: str = "synthetic"
     network: Network = field(default_factory=seed_network)
     targets: str = "task"
+    masks: dict[str, np.ndarray] = field(default_factory=dict)  # '<layer>.mask': float32 0/1, batch included
 
     @property
     def batch(self) -> int:
@@ -76,12 +80,12 @@ class Problem:
     def with_params(self, params: dict[str, np.ndarray]) -> "Problem":
         """The same data with other parameters (after an optimizer step), kept in float32."""
         return Problem(self.input, self.target, {k: np.asarray(v, np.float32) for k, v in params.items()},
-                       self.seed, self.source, self.network, self.targets)
+                       self.seed, self.source, self.network, self.targets, self.masks)
 
     def with_batch(self, start: int, stop: int) -> "Problem":
         """Samples start … stop − 1 only (a micro-batch)."""
         return Problem(self.input[start:stop], self.target[start:stop], self.params, self.seed, self.source,
-                       self.network, self.targets)
+                       self.network, self.targets, {k: v[start:stop] for k, v in self.masks.items()})
 
     def describe(self) -> dict:
         return {"size": self.size_text, "batch": self.batch, "seed": self.seed, "source": self.source,
@@ -222,7 +226,26 @@ def make_problem(size=1024, batch: int = 2, seed: int = 0, image: str | Path | N
             inputs[b, c], cleans[b, c] = _standardise(noisy), _standardise(clean)
     target = _make_target(network, cleans, seed, targets)
     source = "synthetic" if image is None else str(image)
-    return Problem(inputs, target, init_params(network, seed), seed, source, network, targets)
+    return Problem(inputs, target, init_params(network, seed), seed, source, network, targets,
+                   draw_masks(network, batch, height, width, seed))
+
+
+#: the masks' generator is seeded with seed + this (a prime): a stream apart from the weights' (seeded with seed)
+MASK_SEED_OFFSET = 104_729
+
+
+def draw_masks(network: Network, batch: int, height: int, width: int, seed: int) -> dict[str, np.ndarray]:
+    """Every mask the network's request carries ('<layer>.mask'), drawn in layer order by its op (Op.draw_mask)."""
+    shapes = network.mask_shapes(batch, height, width)
+    if not shapes:
+        return {}
+    generator = torch.Generator(device="cpu").manual_seed(seed + MASK_SEED_OFFSET)  # host draws: any device, same masks
+    masks = {}
+    for layer in network.layers:
+        for suffix in OPS[layer.op].request_masks(layer.attrs):
+            name = f"{layer.name}.{suffix}"
+            masks[name] = OPS[layer.op].draw_mask(layer.attrs, suffix, shapes[name], generator).to(torch.float32).numpy()
+    return masks
 
 
 def _make_target(network: Network, cleans: np.ndarray, seed: int, targets: str) -> np.ndarray:

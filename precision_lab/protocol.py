@@ -18,6 +18,8 @@ The contract (stable, like the exchange format it reads and writes):
   weights keep its relative order of O and I (HWIO → IO, as Keras and Flax hold a dense kernel;
   OIHW → OI, as PyTorch and tinygrad do). Gradients go back in the same layout.
 * ``activations``: "NCHW" (default) or "NHWC": the layout of 4-D `input`, `target` and `output`.
+* ``request.masks``: a training dropout's `<layer>.mask` (1 keeps, 0 drops), the lab's draw: apply it as
+  x·mask/(1 − p) and g·mask/(1 − p), draw none of your own; no gradient goes back for a mask.
 * ``dtype``: arrays are the request's exchange dtype (float32, or float64 for a float64 build;
   tf32/bfloat16/float16 claims exchange float32); int64 class targets stay int64.
 * The response is written in the request's format (npz or raw binaries), its `precision` and
@@ -70,6 +72,9 @@ class Request:
     request_layout: str  # the weight layout written in the request (the YAML's weight_layout)
     raw: bool = False  # the request came as raw binaries: the response goes back the same way
     manifest: dict = field(default_factory=dict)
+    #: a training dropout's '<layer>.mask' (1 keeps, 0 drops; its output's shape, 4-D ones in `activations`):
+    #: y = x·mask/(1 − p), ∂x = g·mask/(1 − p); not parameters, so no gradient goes back for them
+    masks: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def model(self) -> dict:
@@ -169,9 +174,10 @@ def read_request(directory: str | Path, layout: str | None = None, activations: 
     network = found.network
     params = {name: to_layout(from_layout(found.arrays[name], found.weight_layout), layout)
               for name in network.parameter_names}
+    masks = {name: _nhwc(found.arrays[name], activations) for name in network.mask_names}
     return Request(Path(directory), found.precision, found.arrays["input"].dtype, layout, activations,
                    _nhwc(found.arrays["input"], activations), _nhwc(found.arrays["target"], activations), params,
-                   network, found.weight_layout, "arrays" in found.manifest, found.manifest)
+                   network, found.weight_layout, "arrays" in found.manifest, found.manifest, masks)
 
 
 def _as_array(where: str, name: str, value, dtype: np.dtype) -> np.ndarray:

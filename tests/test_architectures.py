@@ -197,7 +197,8 @@ def test_every_zoo_verdict_is_right_on_a_real_architecture(name):
         assert wrong.empty, wrong[["candidate", "expected", "verdict", "detail", "worst_ratio"]].to_string()
 
 
-@pytest.mark.parametrize("spec", ["dncnn.json", "resnet-projection.json", "mobile-block.json"])
+@pytest.mark.parametrize("spec", ["dncnn.json", "resnet-projection.json", "mobile-block.json",
+                                  "dropout-denoiser.json"])
 def test_the_architecture_examples_walk_as_autograd_and_their_pytorch_run_is_rounding(spec):
     from precision_lab.model import load_model
     from precision_lab.paths import ROOT

@@ -35,7 +35,9 @@ def _stored_response(bundle: Bundle, problem: Problem, response: Result):
     def run(asked: Problem, precision: str, device: torch.device) -> Result:
         if asked is not problem and not (np.array_equal(asked.input, problem.input)
                                          and all(np.array_equal(asked.params[n], problem.params[n])
-                                                 for n in problem.network.parameter_names)):
+                                                 for n in problem.network.parameter_names)
+                                         and all(np.array_equal(asked.masks[n], problem.masks[n])
+                                                 for n in problem.network.mask_names)):
             raise CandidateError(f"static bundle {bundle.path} holds results for its own problem only "
                                  f"(input {problem.input.shape}); use candidate.problem")
         return Result(response.loss, dict(response.grads), response.output, response.dtype, dict(response.meta),

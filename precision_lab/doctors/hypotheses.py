@@ -241,8 +241,11 @@ class Family:
 
 
 #: the defect hypotheses in the order they are tested: a quantity is named by the first that fits it, so the
-#: cheap whole-gradient ones come first, then the ops' own slips (Op.port_slips), then stale weights
+#: cheap whole-gradient ones come first, then the ops' own slips (Op.port_slips), then stale weights; a training
+#: dropout's slips come before all (only networks with one have any): a scale 1/(1 − p) left out of its backward
+#: is also a constant factor on every gradient behind it, and the dropout is the more specific name
 HYPOTHESES = (
+    Family("a training dropout's mask or its scale 1/(1 − p)", True, _port_slips("dropout")),
     Family("a constant factor (a sum for a mean, a missing 2 or 1/N)", False, _constant_factors),
     Family("another parameter's gradient in a slot", False, _other_parameters),
     Family("features reordered (a flatten in another order)", True, _port_slips("reorder")),

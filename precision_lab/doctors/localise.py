@@ -52,7 +52,9 @@ def _first_failing_op(result: Result, reference: Trace, claimed: str) -> str | N
         key = f"{layer.name}.output.grad" if layer.name else None
         return torch.as_tensor(inter[key], dtype=torch.float64, device=device) if key in inter else None
 
-    params64 = {k: torch.as_tensor(v, dtype=torch.float64, device=device) for k, v in reference.problem.params.items()}
+    # the request's masks ride with the parameters, as in every walk (compute.to_tensors)
+    params64 = {k: torch.as_tensor(v, dtype=torch.float64, device=device)
+                for k, v in {**reference.problem.params, **reference.problem.masks}.items()}
     with torch.no_grad(), errmodel._ieee(device):
         for layer in network.layers:  # forward, in order
             inputs, mine = [value(i) for i in layer.inputs], value(layer.index)

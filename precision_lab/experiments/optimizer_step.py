@@ -137,7 +137,7 @@ def trajectories(problem: Problem, candidates: list[Candidate], envelope: list[C
     def ref_step(params):
         # the float64 trajectory: float64 weights, no rounding to float32 between steps
         return reference(Problem(problem.input, problem.target, params, problem.seed, problem.source, problem.network,
-                                 problem.targets), device)
+                                 problem.targets, problem.masks), device)
 
     ref_records = _trajectory(ref_step, problem, steps, lr, torch.float64, "float64")
     members = {c.name: c for c in envelope} | {c.name: c for c in candidates}

@@ -8,6 +8,8 @@ Every op is one class registered under its spec name. It says, for itself:
 * its forward and its backward in any dtype (`forward`, `backward`), through `Kernels` (which
   convolution algorithm, which operand rounding), so the same walk gives the float32 candidates,
   the float64 reference and the emulated formats;
+* the masks a request carries for it beyond its parameters (`request_masks`, `draw_mask`: a training
+  dropout's `<layer>.mask`, drawn by the lab from the seed, handed to forward and backward with the parameters);
 * its part of the rounding-error model (`forward_error`, `backward_error`): term counts n,
   absolute-term sums S, how an upstream error propagates through it (ReLU flips within the bound,
   max-pool switches between near-tied inputs, routing through upsample and concat, add).
@@ -206,6 +208,17 @@ class Op:
 
     def describe(self, attrs: dict) -> str:
         return self.name
+
+    # arrays the request carries beyond the parameters (a training dropout's mask) ----------------------
+    def request_masks(self, attrs: dict) -> tuple[str, ...]:
+        """Suffixes of the masks a request carries for this layer ('<layer>.mask'), each of the layer's output shape,
+        batch included: drawn by the lab from the problem's seed, read by forward and backward through `params`,
+        never differentiated, answered or judged."""
+        return ()
+
+    def draw_mask(self, attrs: dict, suffix: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        """One mask of `request_masks` (float64 on the host), drawn from `generator`."""
+        raise NotImplementedError(f"op {self.name} carries no mask {suffix!r}")
 
     def couples_batch(self, attrs: dict) -> bool:
         """Whether one sample's output reads the other samples (a training-mode batch norm): a sub-batch then computes
@@ -526,7 +539,7 @@ def n_spatial(shape) -> int:
     return math.prod(shape[2:]) if len(shape) > 2 else 1
 
 
-from . import layers, losses, pointwise, routing  # noqa: E402,F401 - each registers its ops
+from . import layers, losses, pointwise, dropout, routing  # noqa: E402,F401 - each registers its ops
 from . import transposed  # noqa: E402,F401 - registered after layers: its rules are a convolution's, roles swapped
 from . import arithmetic  # noqa: E402,F401 - registered after routing: its ops build on add
 from . import normalisation  # noqa: E402,F401 - registers batch_norm2d, group_norm

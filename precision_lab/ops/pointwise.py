@@ -20,9 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import (BoundContext, Field, GradField, Op, OpSpecError, OtherAttributes, PortSlip, Rule, register,
-               sparse_enough)
-from .onnx_reading import OnnxRead, attr, followed_by, multiplies_by_itself, require, scalar, unary
+from . import Field, GradField, Op, OpSpecError, OtherAttributes, PortSlip, Rule, register, sparse_enough
+from .onnx_reading import OnnxRead, attr, followed_by, multiplies_by_itself, scalar, unary
 from .. import formats
 
 #: z is read as its float32 rounding, |fl(z) − z| ≤ u₃₂·|z| (Higham 2002, Thm 2.2); 1 + 2u₃₂ covers that
@@ -549,59 +548,5 @@ class Mish(Smooth):
         return t + z * (1 - t * t) * torch.sigmoid(z)
 
 
-class Dropout(Op):
-    """Dropout at evaluation: the identity (a training mask would be a second input the request carries)."""
-
-    name = "dropout"
-    keys = {"p": 0.5}
-    elementwise = True
-
-    torch_modules = (torch.nn.Dropout,)
-    torch_calls = (F.dropout,)
-    onnx_ops = ("Dropout", "Identity")
-
-    def from_onnx_node(self, node, graph):
-        """ONNX Dropout (its ratio an attribute before opset 12, an input since) at inference; Identity is no layer."""
-        if node.op_type == "Identity":
-            return OnnxRead({}, graph.data_inputs(node), node.outputs[0], alias=True)
-        training = graph.constant(node.inputs[2]) if len(node.inputs) > 2 else None
-        require(training is None or not bool(training.reshape(())), "training_mode true: a random mask; the spec's "
-                "dropout is the identity of inference")
-        ratio = graph.constant(node.inputs[1]) if len(node.inputs) > 1 else None
-        p = float(ratio.reshape(())) if ratio is not None else attr(node, "ratio", 0.5)
-        return OnnxRead({"p": float(str(np.float32(p)))}, graph.data_inputs(node)[:1], node.outputs[0])
-
-    def check(self, attrs):
-        p = attrs["p"]
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
-            raise OpSpecError(f"'p' is {p!r}: expected a probability in [0, 1)")
-        attrs["p"] = float(p)
-        return attrs
-
-    def from_torch_module(self, module):
-        return {"p": float(module.p)}
-
-    def from_torch_call(self, target, args, kwargs):
-        if kwargs.get("training", False):
-            raise OpSpecError("F.dropout(training=True): a random mask; the spec's dropout is the identity "
-                              "of evaluation")
-        return {"p": float(kwargs.get("p", args[1] if len(args) > 1 else 0.5))}
-
-    def torch_forward(self, attrs, xs, module):
-        return xs[0]  # the module runs in evaluation, as the lab compares a deterministic step
-
-    def forward(self, attrs, xs, params, kernels):
-        return xs[0]
-
-    def backward(self, attrs, g, xs, y, params, kernels, need):
-        return [g if need[0] else None], {}
-
-    def forward_error(self, attrs, ins, y, params, ctx):
-        return Field(y, ins[0].error, ins[0].radius, ins[0].flips)
-
-    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
-        return [GradField(grad.error, grad.flips, grad.radius, grad.flip_count) if need[0] else None], {}
-
-
-for _op in (ReLU(), LeakyReLU(), Tanh(), Sigmoid(), GELU(), SiLU(), ELU(), Softplus(), Mish(), Dropout()):
+for _op in (ReLU(), LeakyReLU(), Tanh(), Sigmoid(), GELU(), SiLU(), ELU(), Softplus(), Mish()):
     register(_op)
