@@ -198,6 +198,36 @@ def test_each_slip_of_a_transposed_convolution_is_a_defect_with_its_cause(layer,
     assert judgement.cause is not None and judgement.cause.startswith(cause), judgement.to_text()
 
 
+
+class ShiftedGradientWindows(Rule):
+    """A port whose weight-gradient loop reads the upstream gradient one pixel off (its forward and input gradient right)."""
+
+    def __init__(self, dy: int, dx: int):
+        self.shift = (dy, dx)
+
+    def forward(self, attrs, xs, params, kernels):
+        return OP.forward(attrs, xs, params, kernels)
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        (h,), grads = OP.backward(attrs, g, xs, y, params, kernels, need)
+        shifted = torch.roll(g, shifts=self.shift, dims=(2, 3))
+        if self.shift[0]:
+            shifted[:, :, 0 if self.shift[0] > 0 else -1, :] = 0
+        if self.shift[1]:
+            shifted[:, :, :, 0 if self.shift[1] > 0 else -1] = 0
+        return [h], dict(grads, weight=OP.weight_grad_from(attrs, xs[0], shifted, tuple(grads["weight"].shape), kernels))
+
+
+@pytest.mark.parametrize("layer, dy, dx", [("dec1", 0, 1), ("dec2", -1, 0)])
+def test_a_weight_gradient_reading_the_upstream_gradient_a_pixel_off_is_named(layer, dy, dx):
+    network = _autoencoder()
+    problem = make_problem(24, 2, 0, network=network)
+    slipped = forward_backward(problem, "float32", rules={network.index_of(layer): ShiftedGradientWindows(dy, dx)})
+    judgement = judge(slipped, reference(problem))
+    assert judgement.verdict == "defect"
+    assert judgement.cause == (f"{layer}: its weight gradient reads the upstream gradient shifted by ({dy}, {dx}) pixels "
+                               "(a crop offset in the backward only)"), judgement.to_text()
+
 def test_a_crop_off_by_one_where_the_padding_is_two_is_named_apart_from_the_one_sided_crop():
     spec = {"input_channels": 2, "layers": [
         {"name": "down", "op": "conv2d", "in": 2, "out": 4, "kernel": 3, "padding": 1}, {"op": "relu"},

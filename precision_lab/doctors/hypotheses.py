@@ -73,12 +73,14 @@ class Slip(str):
 
 
 def _window_slips(reference: Trace, pairs, failing):
-    """Per windowed layer (a convolution) with a failing gradient: shifted windows, a missing edge row/column/tile of the upstream
-    gradient, the pre-activation for the post-activation — recomputed in float64 from the stored operands."""
+    """Per layer with windows (a convolution, plain or transposed) and a failing gradient: shifted windows (its input's,
+    or for a transposed convolution its upstream gradient's), a missing edge row/column/tile of the upstream gradient,
+    the pre-activation for the post-activation — recomputed in float64 from the stored operands."""
     network = reference.network
     for layer in network.parametrised_layers:
         names = [f"{layer.name}.weight", f"{layer.name}.bias"]
-        if not any(n in failing for n in names) or not OPS[layer.op].windowed:
+        op = OPS[layer.op]
+        if not any(n in failing for n in names) or op.window_shifts is None:
             continue
         a = reference.value(layer.inputs[0]).double()
         g = reference.grad_at(layer.index).double()
@@ -86,8 +88,8 @@ def _window_slips(reference: Trace, pairs, failing):
         shape = network.param_shapes[f"{layer.name}.weight"]
         kernels = Kernels()
 
-        def wgrad(x, grad):
-            return kernels.conv_weight_grad(x, grad, attrs, shape).cpu().numpy()
+        def wgrad(x, grad, op=op, attrs=attrs, shape=shape, kernels=kernels):
+            return op.weight_grad_from(attrs, x, grad, shape, kernels).cpu().numpy()
 
         def expected(grad, x=a):
             out = {names[0]: wgrad(x, grad)}
@@ -96,13 +98,19 @@ def _window_slips(reference: Trace, pairs, failing):
             return out
 
         for dy, dx in [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1) if (dy, dx) != (0, 0)]:
-            shifted = torch.roll(a, shifts=(dy, dx), dims=(2, 3))
+            moved = a if op.window_shifts == "input" else g
+            shifted = torch.roll(moved, shifts=(dy, dx), dims=(2, 3))
             if dy:
                 shifted[:, :, (0 if dy > 0 else -1), :] = 0
             if dx:
                 shifted[:, :, :, (0 if dx > 0 else -1)] = 0
-            yield Slip(layer.name, f"windows shifted by ({dy}, {dx}) pixels (a padding offset)"), \
-                {names[0]: wgrad(shifted, g)}, [names[0]], True
+            if op.window_shifts == "input":
+                yield Slip(layer.name, f"windows shifted by ({dy}, {dx}) pixels (a padding offset)"), \
+                    {names[0]: wgrad(shifted, g)}, [names[0]], True
+            else:
+                yield Slip(layer.name, f"its weight gradient reads the upstream gradient shifted by ({dy}, {dx}) "
+                                       "pixels (a crop offset in the backward only)"), \
+                    {names[0]: wgrad(a, shifted)}, [names[0]], True
         height, width = g.shape[2:]
         edges = {"first image row": (slice(None), slice(None), slice(0, 1), slice(None)),
                  "last image row": (slice(None), slice(None), slice(height - 1, height), slice(None)),

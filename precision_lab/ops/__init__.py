@@ -168,7 +168,9 @@ class Op:
     arity = None  # how many inputs it reads where not 2 (combines) or 1: named by `inputs`
     elementwise = False  # output element i depends on input element i only
     masks = False  # its backward masks by its forward's decisions: the local bound reads the forward's flips
-    windowed = False  # its weight gradient sums windows of its input: shifted or clipped windows are its slips
+    windowed = False  # a convolution: its weight gradient sums windows of its input (the zoo's window slips plant there)
+    # what the defect doctor shifts by a pixel to recompute its weight gradient (weight_grad_from): "input", "gradient"
+    window_shifts = None
     flattens = False  # turns an image into features: the image size is then fixed by the reader's fan-in
     reads_error_backward = False  # backward_error reads its input's forward error (parametrised and smooth ops)
     returns_pair = False  # its PyTorch module returns (output, extra), read as module(x)[0] (nn.MultiheadAttention)
@@ -282,6 +284,10 @@ class Op:
         return [None] * len(need)
 
     # what a port gets wrong (the defect doctor's named hypotheses) -------------------------------
+    def weight_grad_from(self, attrs, x: torch.Tensor, g: torch.Tensor, weight_shape: tuple, kernels: "Kernels"):
+        """Its weight gradient from an input and an output gradient (the defect doctor's window slips recompute it)."""
+        raise NotImplementedError(f"{self.name} has no windows (window_shifts is None)")
+
     def port_slips(self, attrs, in_shape: tuple) -> list["PortSlip"]:
         """The ways a port plausibly computes this layer otherwise; `in_shape` is its input's per-sample shape."""
         return []

@@ -74,6 +74,7 @@ class Conv2d(Op):
     parametrised = True
 
     windowed = True
+    window_shifts = "input"  # a padding offset moves the input's windows
     reads_error_backward = True
 
     torch_modules = (torch.nn.Conv2d,)
@@ -222,6 +223,9 @@ class Conv2d(Op):
         if "bias" in params:
             z += params["bias"].view(1, -1, 1, 1)
         return z
+
+    def weight_grad_from(self, attrs, x, g, weight_shape, kernels):
+        return kernels.conv_weight_grad(x, g, attrs, weight_shape)
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
         w = params["weight"]

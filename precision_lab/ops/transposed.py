@@ -48,7 +48,8 @@ class ConvTranspose2d(Op):
     reads_error_backward = True
     weight_letters = ("for a conv_transpose2d weight, O is its input channels and I its output channels, as in the "
                       "convolution it transposes: PyTorch's (in, out/groups, kH, kW) is OIHW")
-    # not `windowed`: the window slips of the defect doctor recompute a convolution's weight gradient, not ours
+    # not `windowed` (the zoo plants a convolution's window slips there); a crop offset moves the gradient's windows
+    window_shifts = "gradient"
 
     torch_modules = (torch.nn.ConvTranspose2d,)
     torch_calls = (F.conv_transpose2d,)
@@ -159,6 +160,9 @@ class ConvTranspose2d(Op):
         if "bias" in params:
             y += params["bias"].view(1, -1, 1, 1)
         return y
+
+    def weight_grad_from(self, attrs, x, g, weight_shape, kernels):
+        return kernels.conv_weight_grad(g, x, adjoint(attrs), weight_shape)
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
         w = params["weight"]
