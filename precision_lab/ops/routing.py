@@ -528,8 +528,9 @@ class Flatten(Reshaping):
 
     def from_torch_call(self, target, args, kwargs):
         start = kwargs.get("start_dim", args[1] if len(args) > 1 else 0)
-        if start != 1:
-            raise OpSpecError(f"flatten from dim {start}; only start_dim=1 is supported")
+        end = kwargs.get("end_dim", args[2] if len(args) > 2 else -1)
+        if start != 1 or end != -1:  # a partial flatten is reshape's (ops.tokens), which knows the rank
+            raise OpSpecError(f"flatten from dim {start} to {end}; flatten takes start_dim=1 to the end")
         return {}
 
     def port_slips(self, attrs, in_shape):
