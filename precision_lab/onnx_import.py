@@ -118,7 +118,7 @@ class _Importer:
         self.output = outputs[0]
         self.shapes = {self.input: self.input_shape}
         self.orders: dict[str, np.ndarray] = {}  # tensors of features in another order than the spec's flatten
-        self.graph = OnnxGraph(self.constants, self.shapes, consumers, self.orders)
+        self.graph = OnnxGraph(self.constants, self.shapes, consumers, self.orders, opset)
         self.producer = {self.input: NETWORK_INPUT}  # tensor → the layer name that computes it
         if self.nhwc is not None:  # the exporter's NHWC → NCHW transpose of the input: the lab's input is NCHW
             self.producer[self.nhwc.outputs[0]], self.shapes[self.nhwc.outputs[0]] = NETWORK_INPUT, self.input_shape

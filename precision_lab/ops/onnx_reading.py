@@ -53,9 +53,10 @@ class OnnxRead:
 class OnnxGraph:
     """What an op may ask about the graph around a node: constants, per-sample shapes, who reads a tensor."""
 
-    def __init__(self, constants: dict, shapes: dict, consumers: dict, orders: dict):
+    def __init__(self, constants: dict, shapes: dict, consumers: dict, orders: dict, opset: int | None = None):
         self._constants, self._shapes, self._consumers, self._orders = constants, shapes, consumers, orders
         self.orders_read: set[str] = set()
+        self.opset = opset  # the graph's default-domain opset: a node type's meaning may change with it
 
     def feature_order(self, tensor: str) -> np.ndarray | None:
         """Where each feature of `tensor` sits in the spec's (C, H, W) flatten (None: the same order); asking
