@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import REQUIRED, BackwardReplaced, Field, GradField, Op, OpSpecError, OtherAttributes, PortSlip, gamma_over_lambda, register
+from .onnx_reading import OnnxRead, attr, require
 from .tokens import _has, _text, per_sample_axis
 
 #: entries of one sample's product (a head's attention weights, tokens²) up to which a size is taken: 2²⁴, 4096 tokens
@@ -55,6 +56,18 @@ class Softmax(Op):
     reads_error_backward = False
     torch_modules = (torch.nn.Softmax,)
     torch_calls = (F.softmax, torch.softmax, "softmax")
+    onnx_ops = ("Softmax",)
+
+    def from_onnx_node(self, node, graph):
+        """Softmax over `axis` (ONNX counts it as PyTorch does); before opset 13 the axis took every later one with it,
+        the same only for the last axis (its default there was 1)."""
+        x = graph.data_inputs(node)
+        require(len(x) == 1, "a softmax of a constant")
+        rank = len(graph.shape(x[0])) + 1
+        axis = int(attr(node, "axis", -1 if graph.opset is None or graph.opset >= 13 else 1))
+        require(graph.opset is None or graph.opset >= 13 or axis % rank == rank - 1, f"axis {axis} before opset 13 "
+                f"normalises every later axis with it: only the last axis reads as softmax")
+        return OnnxRead({"dim": axis - rank if axis >= 0 else axis}, x, node.outputs[0])
 
     def call_inputs(self, tensors, args):
         return tensors[:1]
@@ -162,6 +175,13 @@ class Matmul(Op):
     keys = {"transpose_b": False, "scale": 1.0}
     reads_error_backward = True
     torch_calls = (torch.matmul, operator.matmul, torch.bmm)
+    onnx_ops = ("MatMul",)
+
+    def from_onnx_node(self, node, graph):
+        """MatMul of two computed tensors (q·kᵀ, attention·v); by a constant it is linear's."""
+        data = graph.data_inputs(node)
+        require(len(data) == len(node.inputs) == 2, "MatMul by a constant: a dense layer's (linear), with its bias")
+        return OnnxRead({}, data, node.outputs[0])
 
     def call_inputs(self, tensors, args):
         return tensors
@@ -323,6 +343,17 @@ class Scale(Op):
     keys = {"factor": REQUIRED}
     elementwise = True
     torch_calls = (operator.mul, torch.mul, operator.truediv, torch.div)
+    onnx_ops = ("Mul", "Div")
+
+    def from_onnx_node(self, node, graph):
+        """Mul or Div of a computed tensor by one constant number (an attention score's 1/√d)."""
+        data = graph.data_inputs(node)
+        constants = [graph.constant(t) for t in node.inputs if t not in data]
+        require(len(data) == 1 and len(constants) == 1 and constants[0].size == 1, f"{node.op_type} other than of "
+                f"a computed tensor by one constant number")
+        require(node.op_type == "Mul" or node.inputs[0] == data[0], "a number divided by a tensor")
+        number = float(constants[0].reshape(-1)[0])
+        return OnnxRead({"factor": 1.0 / number if node.op_type == "Div" else number}, data, node.outputs[0])
 
     def check(self, attrs):
         factor = attrs["factor"]

@@ -504,6 +504,11 @@ class Flatten(Reshaping):
                     == [2, 3] and tuple(graph.shape(x[0])[1:]) == (1, 1), "a Squeeze other than of a 1×1 image's "
                     "height and width")
             return OnnxRead({}, x, node.outputs[0])
+        target = graph.constant(node.inputs[1]) if node.op_type == "Reshape" and len(node.inputs) > 1 else None
+        if target is not None and target.size != 2:
+            return None  # a reshape of tokens or heads: reshape's (ops.tokens)
+        if node.op_type == "Transpose" and list(attr(node, "perm", [])) != [0, 2, 3, 1]:
+            return None  # a swap or another order: transpose's or permute's (ops.tokens)
         if node.op_type != "Transpose":
             flattens_each_sample(node, graph)
             return OnnxRead({}, graph.data_inputs(node), node.outputs[0])

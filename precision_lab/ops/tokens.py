@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from . import REQUIRED, BackwardReplaced, Field, GradField, Op, OpSpecError, PortSlip, gamma_over_lambda, register
+from .onnx_reading import OnnxRead, OpenSize, attr, require, reshape_target
 from .routing import Reshaping, _text
 
 
@@ -73,6 +75,17 @@ def _call_sizes(args: tuple, kwargs: dict, key: str) -> tuple:
     return tuple(rest)
 
 
+def _onnx_perm(node, graph) -> tuple[list[int], list[str]]:
+    """(perm, the data input) of an ONNX Transpose that keeps the batch axis first (refused otherwise)."""
+    x = graph.data_inputs(node)
+    require(len(x) == 1, "it transposes a constant")
+    rank = len(graph.shape(x[0])) + 1
+    perm = [int(p) % rank for p in attr(node, "perm", range(rank - 1, -1, -1))]
+    if perm[0] != 0:
+        raise _batch_moved(f"perm {perm}", f"moves the batch axis (dim 0) to position {perm.index(0)}")
+    return perm, x
+
+
 def _batch_moved(call: str, detail: str) -> OpSpecError:
     return OpSpecError(f"{call}: {detail}; the lab's batch axis stays first and unchanged (one sample's values never "
                        f"mix with another's): split or merge only per-sample axes, as (N, T, heads, d)")
@@ -85,6 +98,14 @@ class Transpose(Op):
     name = "transpose"
     keys = {"dims": [1, 2]}
     torch_calls = (torch.transpose, "transpose")
+    onnx_ops = ("Transpose",)
+
+    def from_onnx_node(self, node, graph):
+        """A Transpose that swaps two axes other than the batch's (`perm` [0, 2, 1]; other orders are permute's)."""
+        perm, x = _onnx_perm(node, graph)
+        moved = [axis for axis, source in enumerate(perm) if axis != source]
+        require(len(moved) == 2, f"perm {perm} is not a swap of two axes")
+        return OnnxRead({} if moved == [1, 2] else {"dims": moved}, x, node.outputs[0])
 
     def call_inputs(self, tensors, args):
         return tensors[:1]
@@ -151,6 +172,36 @@ class Reshape(Reshaping):
     name = "reshape"
     keys = {"shape": None, "flatten": None}
     torch_calls = (torch.reshape, "reshape", "view", torch.flatten, "flatten")
+    onnx_ops = ("Reshape",)
+
+    def from_onnx_node(self, node, graph):
+        """A Reshape whose target is constant or computed from sizes (Shape, Gather, Concat): the batch's size first
+        (its Shape, 0 or −1), each 0 copying the input's size; a copied size the graph leaves open is read as −1, the
+        target's own −1 then resolved from the input's other sizes."""
+        from . import BATCH_SIZE
+
+        x = graph.data_inputs(node)
+        require(len(x) == 1, "it reshapes a constant")
+        target, source = reshape_target(node, graph), graph.shape(x[0])
+        text = "[" + ", ".join("N" if t is BATCH_SIZE else "?" if isinstance(t, OpenSize) else str(t)
+                               for t in target) + "]"
+        if not target or (target[0] is not BATCH_SIZE and target[0] != -1):
+            raise _batch_moved(f"shape {text}", "the first size is not the batch's")
+        rest = target[1:]
+        require(BATCH_SIZE not in rest, f"shape {text}: the batch size is not first")
+        copied = [axis for axis, t in enumerate(rest) if isinstance(t, OpenSize)]
+        require(all(rest[axis] == OpenSize(x[0], axis) for axis in copied), f"shape {text}: a size of another tensor or "
+                f"axis that the graph leaves open (export with a fixed image size)")
+        if copied and -1 in rest:  # the −1 from the sizes not copied: (T, h, d) to [N, T, −1] is [−1, h·d]
+            others = [size for axis, size in enumerate(source) if axis not in copied]
+            known = math.prod(t for t in rest if isinstance(t, int) and t != -1)
+            require(None not in others and math.prod(others) % known == 0, f"shape {text}: more than one size is "
+                    f"left open (export with a fixed image size)")
+            rest = [math.prod(others) // known if t == -1 else t for t in rest]
+        rest = [-1 if isinstance(t, OpenSize) else t for t in rest]
+        require(rest.count(-1) <= 1 and not (target[0] == -1 and -1 in rest), f"shape {text}: more than one size is "
+                f"left open (export with a fixed image size)")
+        return OnnxRead({"shape": rest}, x, node.outputs[0])
 
     def check(self, attrs):
         if (attrs["shape"] is None) == (attrs["flatten"] is None):
@@ -241,6 +292,11 @@ class Permute(Op):
     name = "permute"
     keys = {"dims": REQUIRED}
     torch_calls = (torch.permute, "permute")
+    onnx_ops = ("Transpose",)
+
+    def from_onnx_node(self, node, graph):
+        perm, x = _onnx_perm(node, graph)
+        return OnnxRead({"dims": [axis - 1 for axis in perm[1:]]}, x, node.outputs[0])
 
     def call_inputs(self, tensors, args):
         return tensors[:1]
@@ -329,6 +385,17 @@ class Mean(Op):
     name = "mean"
     keys = {"dim": 1}
     torch_calls = (torch.mean, "mean")
+    onnx_ops = ("ReduceMean",)
+
+    def from_onnx_node(self, node, graph):
+        """ReduceMean over one per-sample axis without keepdims (`axes` an input from opset 18, an attribute before);
+        ONNX counts axes as PyTorch does, the batch dim 0. Over height and width it is global_avg_pool2d's."""
+        axes = graph.constant(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] else attr(node, "axes")
+        x = graph.data_inputs(node)
+        axes = None if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
+        require(len(x) == 1 and axes is not None and len(axes) == 1 and not int(attr(node, "keepdims", 1)),
+                "ReduceMean other than over one axis without keepdims (tokens: axes [1], keepdims 0)")
+        return OnnxRead({"dim": axes[0]}, x, node.outputs[0])
 
     def call_inputs(self, tensors, args):
         return tensors[:1]
