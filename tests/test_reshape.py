@@ -182,3 +182,17 @@ def test_a_spec_reshape_and_permute_are_written_per_sample():
         "loss": "mse"})
     assert network.shapes(6, 8)[1:] == [(2, 2, 48), (48, 2, 2), (96, 2)]  # flatten [1, 2]: PyTorch's dims
     _walks_as_autograd(network, 8)
+
+
+def test_a_traced_reshape_reads_its_first_size_as_the_batchs():
+    from precision_lab.ops import BATCH_SIZE, OpSpecError
+
+    reshape = OPS["reshape"]
+    assert reshape.from_torch_call("reshape", (None, BATCH_SIZE, -1, 2, 4), {}) == {"shape": [-1, 2, 4]}
+    assert reshape.from_torch_call("view", (None, (BATCH_SIZE, 16, 8)), {}) == {"shape": [16, 8]}
+    assert reshape.from_torch_call("reshape", (None, -1, 16, 8), {}) == {"shape": [16, 8]}  # -1 is then the batch
+    assert reshape.from_torch_call(torch.flatten, (None, 2, 3), {}) == {"flatten": [2, 3]}
+    with pytest.raises(OpSpecError, match=r"reshape\(-1, -1, 8\): two sizes are -1"):
+        reshape.from_torch_call("reshape", (None, -1, -1, 8), {})
+    with pytest.raises(OpSpecError, match=r"reshape\(16, x.shape\[0\], 8\): the first size is not the batch's"):
+        reshape.from_torch_call("reshape", (None, 16, BATCH_SIZE, 8), {})
