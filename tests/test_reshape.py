@@ -196,3 +196,21 @@ def test_a_traced_reshape_reads_its_first_size_as_the_batchs():
         reshape.from_torch_call("reshape", (None, -1, -1, 8), {})
     with pytest.raises(OpSpecError, match=r"reshape\(16, x.shape\[0\], 8\): the first size is not the batch's"):
         reshape.from_torch_call("reshape", (None, 16, BATCH_SIZE, 8), {})
+
+
+def test_the_two_head_example_walks_as_autograd_and_its_pytorch_run_is_rounding():
+    from precision_lab.paths import ROOT
+
+    network = load_model(ROOT / "examples" / "models" / "vit-heads.json")
+    shapes = network.shapes(16, 16)
+    assert shapes[8] == (2, 4, 16) and shapes[9] == (2, 16, 16)  # each head's kᵀ, each head's 16 × 16 scores
+    assert network.output_shape(16, 16) == (3,)
+    _walks_as_autograd(network)
+    problem = make_problem(16, 2, 3, network=network)
+    reference_trace = reference(problem)
+    assert judge(autograd_forward_backward(problem, "float32"), reference_trace).verdict == "roundoff"
+    k_t = network.index_of("k_t")
+    slipped = forward_backward(problem, "float32", rules={k_t: BackwardReplaced(OPS["permute"], _permuted_again)})
+    judgement = judge(slipped, reference_trace)
+    assert judgement.verdict == "defect" and judgement.cause is not None and "k_t" in judgement.cause, \
+        judgement.to_text()
