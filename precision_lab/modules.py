@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from .model import NETWORK_INPUT, ModelSpecError, Network, parse_spec
-from .ops import LOSSES, OPS, OpSpecError
+from .ops import BATCH_SIZE, LOSSES, OPS, OpSpecError
 from .ops import arity as op_arity
 from .ops.losses import MSE
 
@@ -126,6 +126,7 @@ def _traced_layers(module: nn.Module) -> list[dict]:
                              f"{' '.join(str(exc).split())[:200]}); build it from supported ops or as nn.Sequential")
     submodules = dict(module.named_modules())
     layers, by_node, previous, network_input = [], {}, None, None
+    sizes: dict[str, object] = {}  # traced size queries: a shape (None) or the batch size (BATCH_SIZE)
 
     def named(node_name: str) -> str:
         if node_name == network_input:
@@ -147,11 +148,13 @@ def _traced_layers(module: nn.Module) -> list[dict]:
         if node.op == "get_attr":
             raise ModelSpecError(f"{node.name}: reads a tensor attribute directly ({node.target}); only layers "
                                  f"of supported ops are supported")
+        if _reads_size(node, sizes):
+            continue
         if _reads_first_of_pair(node, by_node, previous):
             by_node[node.name] = by_node[previous]  # module(x)[0] of a module returning (output, extra): its output
             previous = node.name
             continue
-        layer, inputs = _node_layer(node, submodules)
+        layer, inputs = _node_layer(node, submodules, sizes)
         op = OPS[layer["op"]]
         if "name" not in layer and op.request_masks(op.normalise({k: v for k, v in layer.items() if k != "op"})):
             layer["name"] = node.name  # a call reading a mask the request carries (F.dropout in training): '<node>.mask'
@@ -170,13 +173,14 @@ def _traced_layers(module: nn.Module) -> list[dict]:
     return layers
 
 
-def _node_layer(node, submodules) -> tuple[dict, list]:
+def _node_layer(node, submodules, sizes: dict) -> tuple[dict, list]:
     """The spec layer of one traced call, and the tensors it reads: the op whose torch_calls holds its target."""
-    tensors = [a for a in node.args if hasattr(a, "name") and hasattr(a, "op")]
+    args, kwargs = _with_batch_size(node.args, sizes), _with_batch_size(dict(node.kwargs), sizes)
+    tensors = [a for a in args if hasattr(a, "name") and hasattr(a, "op")]
     if node.op == "call_module":
         layer = _module_layer(submodules[node.target], node.target)
         try:
-            return layer, OPS[layer["op"]].call_inputs(tensors, node.args)
+            return layer, OPS[layer["op"]].call_inputs(tensors, args)
         except OpSpecError as exc:
             raise ModelSpecError(f"{node.name}: {exc}") from None
     target = node.target
@@ -185,8 +189,8 @@ def _node_layer(node, submodules) -> tuple[dict, list]:
         if any(target == call if isinstance(call, str) else target is call for call in op.torch_calls) and (
                 isinstance(target, str) == (node.op == "call_method")):
             try:
-                return {"op": op.name, **op.from_torch_call(target, node.args, node.kwargs)}, \
-                    op.call_inputs(tensors, node.args)
+                return {"op": op.name, **op.from_torch_call(target, args, kwargs)}, \
+                    op.call_inputs(tensors, args)
             except OpSpecError as exc:
                 # another op may read the same call with these arguments (flatten(1): flatten, flatten(2): flatten_pixels)
                 refused = refused or exc
@@ -206,3 +210,49 @@ def _reads_first_of_pair(node, by_node: dict, previous) -> bool:
     layer = by_node.get(getattr(source, "name", None))
     return (index == 0 and source.name == previous and layer is not None
             and OPS[layer["op"]].returns_pair)
+
+
+def _is_node(value) -> bool:
+    return hasattr(value, "name") and hasattr(value, "op")
+
+
+def _with_batch_size(args, sizes: dict):
+    """A traced call's arguments with each read of the batch size as ops.BATCH_SIZE (in tuples and lists too)."""
+    if isinstance(args, dict):
+        return {key: _with_batch_size(value, sizes) for key, value in args.items()}
+    if isinstance(args, (tuple, list)):
+        return type(args)(_with_batch_size(a, sizes) for a in args)
+    return sizes[args.name] if _is_node(args) and args.name in sizes else args
+
+
+def _reads_size(node, sizes: dict) -> bool:
+    """Whether a traced node reads a tensor's size (`x.shape`, `x.size()`, `x.shape[0]`, `x.size(0)`), recorded in
+    `sizes`; only the batch size is read (a reshape's first size), any other size or arithmetic on one is refused."""
+    import operator
+
+    args = node.args
+    if node.op == "call_function" and node.target is getattr and len(args) == 2 and args[1] == "shape":
+        sizes[node.name] = None
+        return True
+    if node.op == "call_method" and node.target == "size" and len(args) == 1 and not node.kwargs:
+        sizes[node.name] = None
+        return True
+    dim = None
+    if node.op == "call_method" and node.target == "size":
+        dim = node.kwargs.get("dim", args[1] if len(args) > 1 else None)
+    elif (node.op == "call_function" and node.target is operator.getitem and _is_node(args[0])
+          and sizes.get(args[0].name, 0) is None):
+        dim = args[1]
+    elif any(_is_node(a) and a.name in sizes for a in args):
+        if node.op == "call_function" and getattr(node.target, "__module__", None) in ("_operator", "operator"):
+            raise ModelSpecError(f"{node.name}: {getattr(node.target, '__name__', node.target)} of a tensor's size: "
+                                 f"arithmetic on the batch size merges it with another axis, and the lab's batch axis "
+                                 f"stays first and unchanged; write per-sample sizes as numbers")
+        return False
+    else:
+        return False
+    if dim != 0:
+        raise ModelSpecError(f"{node.name}: reads the size of dim {dim}; only the batch size x.shape[0] is read: write "
+                             f"per-sample sizes as numbers or -1")
+    sizes[node.name] = BATCH_SIZE
+    return True

@@ -23,7 +23,7 @@ from .errors import ModelSpecError
 from .ops import NETWORK_INPUT
 from .ops import LOSSES, OPS, OpSpecError
 from .ops.losses import MSE
-from .ops.onnx_reading import OnnxGraph, OnnxNode, OnnxRead
+from .ops.onnx_reading import OnnxGraph, OnnxNode, OnnxRead, size_value
 
 #: how a user gets the package when it is missing (pyproject's `onnx` extra)
 INSTALL_HINT = "pip install 'precision-lab[onnx]' (or pip install onnx)"
@@ -118,7 +118,7 @@ class _Importer:
         self.output = outputs[0]
         self.shapes = {self.input: self.input_shape}
         self.orders: dict[str, np.ndarray] = {}  # tensors of features in another order than the spec's flatten
-        self.graph = OnnxGraph(self.constants, self.shapes, consumers, self.orders)
+        self.graph = OnnxGraph(self.constants, self.shapes, consumers, self.orders, opset)
         self.producer = {self.input: NETWORK_INPUT}  # tensor → the layer name that computes it
         if self.nhwc is not None:  # the exporter's NHWC → NCHW transpose of the input: the lab's input is NCHW
             self.producer[self.nhwc.outputs[0]], self.shapes[self.nhwc.outputs[0]] = NETWORK_INPUT, self.input_shape
@@ -157,6 +157,10 @@ class _Importer:
             if self._nhwc_output(node):
                 self.producer[self.output] = self._producer(node, node.inputs[0])
                 continue
+            value = self._size_value(node)
+            if value is not None:  # sizes and constants (a Reshape's target): a value of the graph, not a layer
+                self.constants[node.outputs[0]] = value
+                continue
             read = self._read(node)
             absorbed.update(id(n) for n in read.absorbed)
             self._carry_feature_order(node, read)
@@ -171,6 +175,12 @@ class _Importer:
                                  f"node; the lab's network returns its last layer's output")
         spec = {"name": name, "input_channels": self.input_channels, "layers": self.layers, "loss": loss}
         return spec, self.params, self.where
+
+    def _size_value(self, node: OnnxNode):
+        try:
+            return size_value(node, self.graph)
+        except OpSpecError as exc:
+            self.fail(node, str(exc))
 
     def _nhwc_output(self, node: OnnxNode) -> bool:
         """Whether `node` is the NCHW → NHWC Transpose of an image that a graph taking NHWC gives as its output (tf2onnx's

@@ -88,17 +88,20 @@ def test_an_image_becomes_tokens_and_a_linear_reads_each_token():
     assert network.fits(16, 16) and not network.fits(10, 10)
 
 
-def test_flatten_from_another_dim_is_refused_with_its_reason():
-    class Flat3(nn.Module):
-        def __init__(self):
+def test_flatten_from_another_dim_is_a_reshape_and_from_the_batch_is_refused_with_its_reason():
+    class Flat(nn.Module):
+        def __init__(self, start):
             super().__init__()
-            self.conv = nn.Conv2d(2, 4, 3, padding=1)
+            self.start, self.conv = start, nn.Conv2d(2, 4, 3, padding=1)
 
         def forward(self, x):
-            return self.conv(x).flatten(3)
+            return self.conv(x).flatten(self.start)
 
-    with pytest.raises(ModelSpecError, match="flatten from dim 3"):
-        from_module(Flat3(), input_channels=2)
+    network = from_module(Flat(3), input_channels=2)
+    assert network.layers[-1].op == "reshape" and network.layers[-1].attrs["flatten"] == [3, -1]
+    assert network.output_shape(6, 8) == (4, 6, 8)  # flattening the last axis alone keeps the shape
+    with pytest.raises(ModelSpecError, match="flatten from dim 0"):
+        from_module(Flat(0), input_channels=2)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

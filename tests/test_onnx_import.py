@@ -349,10 +349,13 @@ def test_hwc_features_read_by_anything_but_a_dense_layer_are_refused(tmp_path):
         read_onnx(path)
 
 
-def test_a_node_read_only_as_part_of_a_decomposed_op_says_so(tmp_path):
+def test_a_div_by_a_number_is_a_scale_and_by_anything_else_is_refused(tmp_path):
     nodes = [helper.make_node("Div", ["x", "two"], ["y"], name="halve")]
     path = _save(tmp_path / "div.onnx", nodes, {"two": np.array(2.0)})
-    with pytest.raises(ModelSpecError, match="node 'halve' \\(Div\\): the lab reads Div only as part of gelu "):
+    assert [(layer.op, layer.attrs["factor"]) for layer in read_onnx(path)[0].layers] == [("scale", 0.5)]
+    path = _save(tmp_path / "div.onnx", nodes, {"two": np.array([[[2.0]], [[3.0]]])})
+    with pytest.raises(ModelSpecError, match="node 'halve' \\(Div\\): Div other than of a computed tensor by one "
+                                             "constant number"):
         read_onnx(path)
 
 
@@ -417,6 +420,9 @@ def test_a_classifiers_final_softmax_belongs_to_cross_entropy(tmp_path, final, o
                  opset=opset)
     network, _ = read_onnx(path, loss="cross_entropy")
     assert [layer.op for layer in network.layers][-1] == "linear"  # the logits: the loss applies the softmax
+    if final == "Softmax":  # under mse the network's own last layer, over the classes
+        assert read_onnx(path, loss="mse")[0].layers[-1].op == "softmax"
+        return
     with pytest.raises(ModelSpecError, match=f"node 'probs' is {final}, which the lab has no op for"):
         read_onnx(path, loss="mse")
 

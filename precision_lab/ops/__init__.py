@@ -34,6 +34,17 @@ REQUIRED = object()
 NETWORK_INPUT = "input"
 
 
+class _BatchSize:
+    """The batch size as a traced module reads it (`x.shape[0]`, `x.size(0)`): a reshape's first size."""
+
+    def __repr__(self):
+        return "x.shape[0]"
+
+
+#: what modules.from_module passes an op's `from_torch_call` in place of a traced `x.shape[0]`
+BATCH_SIZE = _BatchSize()
+
+
 class OpSpecError(ValueError):
     """An attribute or shape an op cannot take; model.py prefixes the spec and the layer."""
 
@@ -553,6 +564,6 @@ from . import tokens  # noqa: E402,F401 - registered after routing: flatten(2) i
 from . import attention  # noqa: E402,F401 - after tokens: softmax and matmul act on tokens
 from . import multihead  # noqa: E402,F401 - after attention: its rules are linear's, matmul's and softmax's
 
-__all__ = ["BackwardReplaced", "BoundContext", "Field", "GradField", "Kernels", "LOSSES", "OPS", "Op", "OpSpecError",
+__all__ = ["BATCH_SIZE", "BackwardReplaced", "BoundContext", "Field", "GradField", "Kernels", "LOSSES", "OPS", "Op", "OpSpecError",
            "OtherAttributes", "Parts", "PortSlip", "REQUIRED", "Rule", "SEED_CONV", "SPARSE_LIMIT", "SharedDraw", "has_values", "is_seed_conv", "register", "register_loss",
            "sparse_points"]

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import REQUIRED, BackwardReplaced, Field, GradField, Op, OpSpecError, OtherAttributes, PortSlip, gamma_over_lambda, register
+from .onnx_reading import OnnxRead, attr, require
 from .tokens import _has, _text, per_sample_axis
 
 #: entries of one sample's product (a head's attention weights, tokens²) up to which a size is taken: 2²⁴, 4096 tokens
@@ -55,6 +56,18 @@ class Softmax(Op):
     reads_error_backward = False
     torch_modules = (torch.nn.Softmax,)
     torch_calls = (F.softmax, torch.softmax, "softmax")
+    onnx_ops = ("Softmax",)
+
+    def from_onnx_node(self, node, graph):
+        """Softmax over `axis` (ONNX counts it as PyTorch does); before opset 13 the axis took every later one with it,
+        the same only for the last axis (its default there was 1)."""
+        x = graph.data_inputs(node)
+        require(len(x) == 1, "a softmax of a constant")
+        rank = len(graph.shape(x[0])) + 1
+        axis = int(attr(node, "axis", -1 if graph.opset is None or graph.opset >= 13 else 1))
+        require(graph.opset is None or graph.opset >= 13 or axis % rank == rank - 1, f"axis {axis} before opset 13 "
+                f"normalises every later axis with it: only the last axis reads as softmax")
+        return OnnxRead({"dim": axis - rank if axis >= 0 else axis}, x, node.outputs[0])
 
     def call_inputs(self, tensors, args):
         return tensors[:1]
@@ -154,13 +167,21 @@ class Softmax(Op):
 
 
 class Matmul(Op):
-    """scale · A·B (or A·Bᵀ with `transpose_b`) of two per-sample matrices: (M, K)·(K, N) → (M, N)."""
+    """scale · A·B (or A·Bᵀ with `transpose_b`) of two per-sample matrices: (M, K)·(K, N) → (M, N), or of stacks of them
+    (heads: (H, M, K)·(H, K, N) → (H, M, N), `q @ k.transpose(-2, -1)` after a head split)."""
 
     name = "matmul"
     combines = True
     keys = {"transpose_b": False, "scale": 1.0}
     reads_error_backward = True
     torch_calls = (torch.matmul, operator.matmul, torch.bmm)
+    onnx_ops = ("MatMul",)
+
+    def from_onnx_node(self, node, graph):
+        """MatMul of two computed tensors (q·kᵀ, attention·v); by a constant it is linear's."""
+        data = graph.data_inputs(node)
+        require(len(data) == len(node.inputs) == 2, "MatMul by a constant: a dense layer's (linear), with its bias")
+        return OnnxRead({}, data, node.outputs[0])
 
     def call_inputs(self, tensors, args):
         return tensors
@@ -176,14 +197,15 @@ class Matmul(Op):
 
     def out_shape(self, attrs, in_shapes):
         a, b = in_shapes
-        if len(a) != 2 or len(b) != 2:
-            raise OpSpecError(f"matmul needs two per-sample matrices but receives {_text(a)} and {_text(b)}")
-        inner_b, cols = (b[1], b[0]) if attrs["transpose_b"] else b
-        if a[1] is not None and inner_b is not None and a[1] != inner_b:
+        if len(a) < 2 or len(a) != len(b) or any(x is not None and y is not None and x != y for x, y in zip(a[:-2], b[:-2])):
+            raise OpSpecError(f"matmul needs two per-sample matrices, or stacks of as many (heads), but receives "
+                              f"{_text(a)} and {_text(b)}")
+        inner_b, cols = (b[-1], b[-2]) if attrs["transpose_b"] else b[-2:]
+        if a[-1] is not None and inner_b is not None and a[-1] != inner_b:
             raise OpSpecError(f"multiplies {_text(a)} by {_text(b)}{'ᵀ' if attrs['transpose_b'] else ''}: inner "
-                              f"sizes {a[1]} and {inner_b} differ")
-        within_limit(a[0], cols, "a product")
-        return (a[0], cols)
+                              f"sizes {a[-1]} and {inner_b} differ")
+        within_limit(None if None in a[:-1] else math.prod(a[:-1]), cols, "a product")  # every head's
+        return (*a[:-2], a[-2], cols)
 
     def describe(self, attrs):
         text = "matmul A·Bᵀ" if attrs["transpose_b"] else "matmul A·B"
@@ -198,7 +220,7 @@ class Matmul(Op):
 
     @staticmethod
     def _b(attrs, b: torch.Tensor) -> torch.Tensor:
-        return b.transpose(1, 2) if attrs["transpose_b"] else b
+        return b.transpose(-1, -2) if attrs["transpose_b"] else b
 
     def torch_forward(self, attrs, xs, module):
         y = xs[0] @ self._b(attrs, xs[1])
@@ -212,11 +234,11 @@ class Matmul(Op):
     def backward(self, attrs, g, xs, y, params, kernels, need):
         g = g if attrs["scale"] == 1.0 else g * attrs["scale"]
         a, b = xs[0], self._b(attrs, xs[1])
-        ga = torch.matmul(kernels.rnd(g, "input_grad"), kernels.rnd(b, "input_grad").transpose(1, 2)) if need[0] else None
+        ga = torch.matmul(kernels.rnd(g, "input_grad"), kernels.rnd(b, "input_grad").transpose(-1, -2)) if need[0] else None
         gb = None
         if need[1]:
-            gb = torch.matmul(kernels.rnd(a, "input_grad").transpose(1, 2), kernels.rnd(g, "input_grad"))
-            gb = gb.transpose(1, 2).contiguous() if attrs["transpose_b"] else gb
+            gb = torch.matmul(kernels.rnd(a, "input_grad").transpose(-1, -2), kernels.rnd(g, "input_grad"))
+            gb = gb.transpose(-1, -2).contiguous() if attrs["transpose_b"] else gb
         return [ga, gb], {}
 
     # error model ------------------------------------------------------------------------------
@@ -257,20 +279,20 @@ class Matmul(Op):
         eb = None if eb is None else self._b(attrs, eb)
         grads = [None, None]
         if need[0]:  # G·Bᵀ: N terms
-            bt, ebt = b.abs().transpose(1, 2), None if eb is None else eb.transpose(1, 2)
+            bt, ebt = b.abs().transpose(-1, -2), None if eb is None else eb.transpose(-1, -2)
             error = (ctx.gamma(g.shape[-1]) * g_abs + e_g) @ bt
             if ebt is not None:
                 error = error + (g_abs + e_g) @ ebt
             rounding = ctx.rounding_term(torch.matmul, g_abs, bt)
             grads[0] = GradField(error + rounding if torch.is_tensor(rounding) else error, None, None, grad.flip_count)
         if need[1]:  # Aᵀ·G: M terms
-            at, eat = a.abs().transpose(1, 2), None if ea is None else ea.transpose(1, 2)
+            at, eat = a.abs().transpose(-1, -2), None if ea is None else ea.transpose(-1, -2)
             error = at @ (ctx.gamma(g.shape[-2]) * g_abs + e_g)
             if eat is not None:
                 error = error + eat @ (g_abs + e_g)
             rounding = ctx.rounding_term(torch.matmul, at, g_abs)
             error = error + rounding if torch.is_tensor(rounding) else error
-            error = error.transpose(1, 2).contiguous() if attrs["transpose_b"] else error
+            error = error.transpose(-1, -2).contiguous() if attrs["transpose_b"] else error
             grads[1] = GradField(error, None, None, grad.flip_count)
         return grads, {}
 
@@ -286,10 +308,10 @@ class Matmul(Op):
         extra = lambda t: 0.0 if self._exact_scale(attrs) else u * t  # noqa: E731 - the scale's rounding of g, carried
         scales = [None, None]
         if need[0]:
-            scales[0] = (gamma_over_lambda(g.shape[-1], u, lam) * g_abs + extra(g_abs)) @ b.transpose(1, 2)
+            scales[0] = (gamma_over_lambda(g.shape[-1], u, lam) * g_abs + extra(g_abs)) @ b.transpose(-1, -2)
         if need[1]:
-            gb = a.transpose(1, 2) @ (gamma_over_lambda(g.shape[-2], u, lam) * g_abs + extra(g_abs))
-            scales[1] = gb.transpose(1, 2).contiguous() if attrs["transpose_b"] else gb
+            gb = a.transpose(-1, -2) @ (gamma_over_lambda(g.shape[-2], u, lam) * g_abs + extra(g_abs))
+            scales[1] = gb.transpose(-1, -2).contiguous() if attrs["transpose_b"] else gb
         return scales
 
 
@@ -321,6 +343,17 @@ class Scale(Op):
     keys = {"factor": REQUIRED}
     elementwise = True
     torch_calls = (operator.mul, torch.mul, operator.truediv, torch.div)
+    onnx_ops = ("Mul", "Div")
+
+    def from_onnx_node(self, node, graph):
+        """Mul or Div of a computed tensor by one constant number (an attention score's 1/√d)."""
+        data = graph.data_inputs(node)
+        constants = [graph.constant(t) for t in node.inputs if t not in data]
+        require(len(data) == 1 and len(constants) == 1 and constants[0].size == 1, f"{node.op_type} other than of "
+                f"a computed tensor by one constant number")
+        require(node.op_type == "Mul" or node.inputs[0] == data[0], "a number divided by a tensor")
+        number = float(constants[0].reshape(-1)[0])
+        return OnnxRead({"factor": 1.0 / number if node.op_type == "Div" else number}, data, node.outputs[0])
 
     def check(self, attrs):
         factor = attrs["factor"]

@@ -7,6 +7,8 @@ Mary 2021 for the softmax), the upstream errors carried from part to part; param
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import REQUIRED, BackwardReplaced, BoundContext, Field, GradField, Op, OpSpecError, OtherAttributes, PortSlip, positive_int, register
@@ -78,7 +80,7 @@ class Attention(Op):
                 PortSlip("attention", f"leaves the factor {attrs['scale']:.6g} (1/√d) out of forward and backward",
                          lambda: OtherAttributes(self, {"scale": 1.0}), forward=True, every=("every attention score",)),
                 PortSlip("attention", "normalises each head's attention over the queries where it should over the keys",
-                         lambda: OtherAttributes(self, {"softmax_dim": 1}), forward=True)]
+                         lambda: OtherAttributes(self, {"softmax_dim": -2}), forward=True)]
 
     # the parts ----------------------------------------------------------------------------------
     @staticmethod
@@ -256,11 +258,12 @@ class DotProductAttention(Op):
 
     def out_shape(self, attrs, in_shapes):
         q, k, v = in_shapes
-        if any(len(s) != 2 for s in in_shapes) or q[1] != k[1] or k[0] != v[0]:
-            raise OpSpecError(f"dot_product_attention needs q (T, d), k (S, d), v (S, e) but receives {_text(q)}, "
-                              f"{_text(k)}, {_text(v)}")
-        within_limit(q[0], k[0], "attention weights")
-        return (q[0], v[1])
+        if (len(q) < 2 or len({len(s) for s in in_shapes}) != 1 or q[-1] != k[-1] or k[-2] != v[-2]
+                or not q[:-2] == k[:-2] == v[:-2]):
+            raise OpSpecError(f"dot_product_attention needs q (T, d), k (S, d), v (S, e), or stacks of as many (heads), "
+                              f"but receives {_text(q)}, {_text(k)}, {_text(v)}")
+        within_limit(None if None in q[:-1] else math.prod(q[:-1]), k[-2], "attention weights")  # every head's
+        return (*q[:-2], q[-2], v[-1])
 
     def describe(self, attrs):
         return "dot_product_attention"
@@ -272,13 +275,13 @@ class DotProductAttention(Op):
             {"transpose_b": False, "scale": 1.0}
 
     def port_slips(self, attrs, in_shape):
-        factor = attrs["scale"] if attrs["scale"] is not None else in_shape[1] ** -0.5
+        factor = attrs["scale"] if attrs["scale"] is not None else in_shape[-1] ** -0.5
         return [PortSlip("attention", f"leaves the factor {factor:.6g} (1/√d) out of its backward",
                          lambda: BackwardReplaced(self, _unscaled_backward("scale")), every=("every attention score",)),
                 PortSlip("attention", f"leaves the factor {factor:.6g} (1/√d) out of forward and backward",
                          lambda: OtherAttributes(self, {"scale": 1.0}), forward=True, every=("every attention score",)),
                 PortSlip("attention", "normalises the attention over the queries where it should over the keys",
-                         lambda: OtherAttributes(self, {"softmax_dim": 1}), forward=True)]
+                         lambda: OtherAttributes(self, {"softmax_dim": -2}), forward=True)]
 
     def torch_forward(self, attrs, xs, module):
         return torch.nn.functional.scaled_dot_product_attention(*xs, scale=attrs["scale"])

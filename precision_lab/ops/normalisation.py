@@ -535,6 +535,31 @@ class GroupNorm(Normalisation):
 
     torch_modules = (torch.nn.GroupNorm,)
     torch_calls = (F.group_norm,)
+    onnx_ops = ("GroupNormalization",)
+
+    def from_onnx_node(self, node, graph):
+        """ONNX GroupNormalization (X, scale, bias; num_groups, epsilon): opset 21 on, scale and bias per channel, as
+        nn.GroupNorm's; opsets 18–20 per group, the same only with one channel a group (a per-group affine is another
+        parameter: its gradient sums its group's channels)."""
+        x = graph.data_inputs(node)
+        shape = graph.shape(x[0]) if len(x) == 1 else ()
+        require(len(shape) == 3 and shape[0] is not None, "normalises a tensor other than an image (N, C, H, W)")
+        channels, groups = shape[0], int(attr(node, "num_groups", 0))
+        require(groups >= 1 and channels % groups == 0, f"num_groups {groups} does not divide the {channels} channels")
+        named = [*node.inputs, "", ""]
+        scale, bias = graph.constant(named[1]), graph.constant(named[2])
+        require(scale is not None and bias is not None, "its scale and bias are not constants (initializers)")
+        scale, bias = scale.reshape(-1), bias.reshape(-1)
+        per_group = graph.opset is not None and graph.opset < 21
+        if per_group and groups != channels:
+            raise OpSpecError(f"opset {graph.opset}'s scale and bias are per group ({groups} for {channels} channels); "
+                              f"the spec's group_norm has one per channel (nn.GroupNorm): export at opset 21 or later")
+        require(scale.size == channels and bias.size == channels, f"scale and bias of {scale.size} and {bias.size} "
+                f"values for {channels} channels: expected one per channel")
+        # stash_type (opset 21): the precision of the statistics, the claimed precision's to the lab
+        return OnnxRead({"groups": groups, "channels": channels, "eps": float(attr(node, "epsilon", 1e-5))}, x,
+                        node.outputs[0], params={"weight": scale, "bias": bias},
+                        param_sources={"weight": named[1], "bias": named[2]})
 
     def check(self, attrs):
         attrs = super().check(attrs)

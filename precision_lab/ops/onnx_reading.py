@@ -53,9 +53,10 @@ class OnnxRead:
 class OnnxGraph:
     """What an op may ask about the graph around a node: constants, per-sample shapes, who reads a tensor."""
 
-    def __init__(self, constants: dict, shapes: dict, consumers: dict, orders: dict):
+    def __init__(self, constants: dict, shapes: dict, consumers: dict, orders: dict, opset: int | None = None):
         self._constants, self._shapes, self._consumers, self._orders = constants, shapes, consumers, orders
         self.orders_read: set[str] = set()
+        self.opset = opset  # the graph's default-domain opset: a node type's meaning may change with it
 
     def feature_order(self, tensor: str) -> np.ndarray | None:
         """Where each feature of `tensor` sits in the spec's (C, H, W) flatten (None: the same order); asking
@@ -70,6 +71,9 @@ class OnnxGraph:
     def shape(self, tensor: str) -> tuple:
         """The per-sample shape (C, H, W) or (F,) of a computed tensor; H and W None unless the graph fixes them."""
         return self._shapes[tensor]
+
+    def has_shape(self, tensor: str) -> bool:
+        return tensor in self._shapes
 
     def only_reader(self, tensor: str) -> OnnxNode | None:
         """The one node reading `tensor` (None: several, or none: then nothing after may be absorbed)."""
@@ -220,6 +224,123 @@ def flattens_each_sample(node: OnnxNode, graph: OnnxGraph, image: bool | None = 
     target = graph.constant(node.inputs[1])
     require(target is not None, "its shape is computed at run time (Shape, Gather, Concat): export with "
             "torch.flatten(x, 1) or a constant shape")
-    target = [int(t) for t in target.reshape(-1)]
+    from . import BATCH_SIZE
+
+    target = [0 if t is BATCH_SIZE else -1 if isinstance(t, OpenSize) else int(t)
+              for t in np.asarray(target, dtype=object).reshape(-1)]
     require(len(target) == 2 and (target[1] == -1 or target[0] in (0, -1)), f"shape {target}: only flattening each "
             f"sample to [batch, -1] is supported")
+
+
+#: node types computed from shapes and constants alone (a Reshape's target, 1/√d): values of the graph, not layers
+SIZE_NODES = ("Shape", "Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "Cast", "Sqrt", "Div", "Mul", "Reciprocal",
+              "Identity")
+
+
+@dataclass(frozen=True)
+class OpenSize:
+    """A size the graph leaves open (an image's height or width): per-sample axis `axis` of tensor `tensor`."""
+
+    tensor: str
+    axis: int
+
+
+def _axes(node: OnnxNode, graph: OnnxGraph) -> list[int] | None:
+    """Unsqueeze's or Squeeze's axes: an input from opset 13, an attribute before."""
+    axes = graph.constant(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] else attr(node, "axes")
+    return None if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
+
+
+def _numbers(values: list, node: OnnxNode) -> list[np.ndarray]:
+    """The values as numeric arrays, OpSpecError where one holds the batch size or a size the graph leaves open."""
+    from . import BATCH_SIZE
+
+    for value in values:
+        flat = np.asarray(value, dtype=object).reshape(-1)
+        if any(v is BATCH_SIZE for v in flat):
+            raise OpSpecError(f"{node.op_type} of the batch size: arithmetic on it merges the batch axis with another, "
+                              f"and the lab's batch axis stays first and unchanged")
+        if any(isinstance(v, OpenSize) for v in flat):
+            raise OpSpecError(f"{node.op_type} of a size the graph leaves open (the image's height or width): export "
+                              f"with that size fixed")
+    return [np.asarray(v).astype(np.float64 if np.asarray(v).dtype == object else np.asarray(v).dtype) for v in values]
+
+
+def size_value(node: OnnxNode, graph: OnnxGraph):
+    """The value of a node that computes on sizes and constants only (Shape of a tensor, then Gather, Slice, Concat,
+    Unsqueeze; a constant's Cast, Sqrt, Div, Mul): an array, object-typed where it holds ops.BATCH_SIZE (the batch's
+    size, dim 0 of every tensor) or None (a size the graph leaves open); None when the node reads a computed tensor's
+    values (a layer)."""
+    from . import BATCH_SIZE
+
+    if node.op_type not in SIZE_NODES:
+        return None
+    if node.op_type == "Shape":
+        source = node.inputs[0]
+        known = graph.constant(source)
+        if known is None and not graph.has_shape(source):
+            return None  # a tensor no layer computes: the reader says so
+        dims = list(known.shape) if known is not None else [BATCH_SIZE, *(
+            OpenSize(source, axis) if size is None else size for axis, size in enumerate(graph.shape(source)))]
+        start, end = int(attr(node, "start", 0)), attr(node, "end")
+        return np.array(dims[start:None if end is None else int(end)], dtype=object)
+    present = [t for t in node.inputs if t]
+    values = [graph.constant(t) for t in present]
+    if any(v is None for v in values):
+        return None
+    x = values[0]
+    if node.op_type == "Identity":
+        return x
+    if node.op_type == "Gather":
+        return np.take(np.asarray(x, dtype=object), np.asarray(values[1]).astype(np.int64), axis=int(attr(node, "axis", 0)))
+    if node.op_type == "Slice":
+        x = np.asarray(x, dtype=object)
+        if len(values) > 1:  # opset 10 on: starts, ends, axes, steps as inputs
+            starts, ends = values[1], values[2]
+            axes = values[3] if len(values) > 3 else range(len(starts))
+            steps = values[4] if len(values) > 4 else [1] * len(starts)
+        else:
+            starts, ends = attr(node, "starts"), attr(node, "ends")
+            axes, steps = attr(node, "axes", range(len(starts))), [1] * len(starts)
+        index = [slice(None)] * x.ndim
+        for axis, start, end, step in zip(axes, starts, ends, steps):
+            index[int(axis)] = slice(int(start), int(end), int(step))  # INT64_MAX as the end: to the last
+        return x[tuple(index)]
+    if node.op_type == "Concat":
+        return np.concatenate([np.asarray(v, dtype=object).reshape(-1) if np.ndim(v) <= 1 else np.asarray(v, dtype=object)
+                               for v in values], axis=int(attr(node, "axis", 0)))
+    if node.op_type in ("Unsqueeze", "Squeeze"):
+        axes = _axes(node, graph)
+        x = np.asarray(x, dtype=object)
+        if node.op_type == "Unsqueeze":
+            for axis in sorted(a % (x.ndim + len(axes)) for a in axes):
+                x = np.expand_dims(x, axis)
+            return x
+        return np.squeeze(x, axis=None if axes is None else tuple(a % x.ndim for a in axes))
+    numbers = _numbers(values, node)
+    if node.op_type == "Cast":
+        from onnx import helper
+
+        return numbers[0].astype(helper.tensor_dtype_to_np_dtype(int(attr(node, "to"))))
+    operations = {"Sqrt": lambda a: np.sqrt(a), "Reciprocal": lambda a: 1 / a, "Div": lambda a, b: a / b,
+                  "Mul": lambda a, b: a * b}
+    result = operations[node.op_type](*numbers)
+    return np.asarray(result, dtype=np.result_type(*numbers))
+
+
+def reshape_target(node: OnnxNode, graph: OnnxGraph) -> list:
+    """A Reshape's target: ops.BATCH_SIZE (its Shape, or 0 copying dim 0), integers, and OpenSize where it copies a
+    size the graph leaves open (0 with allowzero 0 copies the input's size at that position)."""
+    from . import BATCH_SIZE
+
+    target = graph.constant(node.inputs[1])
+    require(target is not None, "its shape is computed from a tensor's values, not from sizes")
+    x = graph.data_inputs(node)[0]
+    source = [BATCH_SIZE, *(OpenSize(x, axis) if size is None else size for axis, size in enumerate(graph.shape(x)))]
+    copies = not int(attr(node, "allowzero", 0))
+    resolved = []
+    for position, t in enumerate(np.asarray(target, dtype=object).reshape(-1)):
+        if copies and not isinstance(t, (type(BATCH_SIZE), OpenSize)) and int(t) == 0 and position < len(source):
+            t = source[position]
+        resolved.append(t if isinstance(t, (type(BATCH_SIZE), OpenSize)) else int(t))
+    return resolved

@@ -504,6 +504,11 @@ class Flatten(Reshaping):
                     == [2, 3] and tuple(graph.shape(x[0])[1:]) == (1, 1), "a Squeeze other than of a 1×1 image's "
                     "height and width")
             return OnnxRead({}, x, node.outputs[0])
+        target = graph.constant(node.inputs[1]) if node.op_type == "Reshape" and len(node.inputs) > 1 else None
+        if target is not None and target.size != 2:
+            return None  # a reshape of tokens or heads: reshape's (ops.tokens)
+        if node.op_type == "Transpose" and list(attr(node, "perm", [])) != [0, 2, 3, 1]:
+            return None  # a swap or another order: transpose's or permute's (ops.tokens)
         if node.op_type != "Transpose":
             flattens_each_sample(node, graph)
             return OnnxRead({}, graph.data_inputs(node), node.outputs[0])
@@ -528,8 +533,9 @@ class Flatten(Reshaping):
 
     def from_torch_call(self, target, args, kwargs):
         start = kwargs.get("start_dim", args[1] if len(args) > 1 else 0)
-        if start != 1:
-            raise OpSpecError(f"flatten from dim {start}; only start_dim=1 is supported")
+        end = kwargs.get("end_dim", args[2] if len(args) > 2 else -1)
+        if start != 1 or end != -1:  # a partial flatten is reshape's (ops.tokens), which knows the rank
+            raise OpSpecError(f"flatten from dim {start} to {end}; flatten takes start_dim=1 to the end")
         return {}
 
     def port_slips(self, attrs, in_shape):
