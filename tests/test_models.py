@@ -22,7 +22,7 @@ EXAMPLES = ROOT / "examples" / "models"
 SPECS = {"unet": EXAMPLES / "small-unet.json", "resnet": EXAMPLES / "dilated-resnet.yaml",
          "classifier": EXAMPLES / "lenet-classifier.json"}
 #: small, non-square sizes each network takes (the classifier's linear layer fixes its input at 28×28)
-SIZES = {"unet": (20, 26), "resnet": (17, 23), "classifier": (28, 28)}
+SIZES = {"unet": (20, 26), "resnet": (17, 23), "classifier": (28, 28), "projection": (18, 22)}
 
 
 def test_seed_form_expands_to_the_seed_network():
@@ -146,7 +146,8 @@ def _diagnose(capsys, tmp_path, yaml_name, size, probes="none"):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("yaml_name, size", [("unet.yaml", SIZES["unet"]), ("resnet.yaml", SIZES["resnet"]),
-                                             ("classifier.yaml", SIZES["classifier"])])
+                                             ("classifier.yaml", SIZES["classifier"]),
+                                             ("resnet-projection.yaml", SIZES["projection"])])
 def test_right_example_candidates_are_roundoff_with_probes(capsys, tmp_path, yaml_name, size):
     code, verdict = _diagnose(capsys, tmp_path, yaml_name, size, probes="default")
     assert code == 0 and verdict["verdict"] == "roundoff", verdict["evidence"]
@@ -160,6 +161,8 @@ def test_right_example_candidates_are_roundoff_with_probes(capsys, tmp_path, yam
     ("unet-tf32-slip.yaml", SIZES["unet"], "reduced-precision", "tf32"),
     ("resnet-skip-slip.yaml", SIZES["resnet"], "defect", "res backward passes no gradient to the skip from act0"),
     ("resnet-ohwi-slip.yaml", SIZES["resnet"], "layout", "layout OHWI"),
+    ("resnet-projection-shortcut-slip.yaml", SIZES["projection"], "defect",
+     "join backward passes no gradient to the skip from proj"),
     ("classifier-sum-ce-slip.yaml", SIZES["classifier"], "defect", "scaled by the batch size"),
     ("classifier-mask-slip.yaml", SIZES["classifier"], "defect", "mask missing"),
 ])

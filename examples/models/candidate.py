@@ -13,7 +13,7 @@ the output and, with --intermediates, every named layer's output and output grad
   ohwi        weight gradients written in OHWI order while the request's layout is declared
   mask        every ReLU's backward passes the gradient unmasked
   upsample    nearest-upsample backward takes each block's first gradient instead of their sum
-  skip        an `add` skip connection passes no gradient to the layer it came from
+  skip        an `add` passes no gradient to its second input (a skip or a projection shortcut)
   sum-ce      cross-entropy summed over samples instead of averaged
   tf32        every convolution and linear operand rounded to TF32 (10 mantissa bits), still claimed float32
   unrotated   every transposed convolution correlates with its kernel as stored, not rotated by 180°
@@ -106,13 +106,16 @@ def batch_norm(h, a, params, constant_statistics):
     return F.batch_norm(h, *stats, weight, bias, training=training, momentum=0.0, eps=eps)
 
 
-def run(layers, loss_name, x, target, params, slip, keep):
+def run(layers, loss_name, x, target, params, slip, keep, masks=None):
     """Forward through the layers, the loss; returns (loss, output, named outputs)."""
     outputs, named = {-1: x}, {}
     names = {layer.get("name"): i for i, layer in enumerate(layers) if layer.get("name")}
+    names["input"] = -1
     rnd = RoundedOperands.apply if slip == "tf32" else (lambda t: t)
     for i, layer in enumerate(layers):
-        a, op, h = layer, layer["op"], outputs[i - 1]
+        # what a layer reads: the layers `inputs` names ("input": the network's), else the one before it
+        reads = [outputs[names[n]] for n in layer.get("inputs", [])] or [outputs[i - 1]]
+        a, op, h = layer, layer["op"], reads[0]
         if op == "conv2d":
             w, b = params[f"{a['name']}.weight"], params.get(f"{a['name']}.bias")
             y = F.conv2d(rnd(h), rnd(w), b, pair(a.get("stride"), 1), pair(a.get("padding"), 0),
@@ -143,7 +146,7 @@ def run(layers, loss_name, x, target, params, slip, keep):
             sh, sw = pair(a["scale"], None)
             y = FirstOnlyUpsample.apply(h, sh, sw) if slip == "upsample" else h.repeat_interleave(sh, 2).repeat_interleave(sw, 3)
         elif op == "add":
-            other = outputs[names[a["from"]]]
+            other = outputs[names[a["from"]]] if "from" in a else reads[1]
             y = h + (other.detach() if slip == "skip" else other)
         elif op == "sub":
             first, second = (x if n == "input" else outputs[names[n]] for n in a["inputs"])
@@ -154,6 +157,12 @@ def run(layers, loss_name, x, target, params, slip, keep):
             y = torch.cat([h, outputs[names[a["from"]]]], dim=1)
         elif op == "flatten":
             y = h.flatten(1)
+        elif op == "global_avg_pool2d":
+            y = h.mean(dim=(2, 3), keepdim=True)
+        elif op == "dropout":
+            # evaluation: the identity; training: the mask the request carries, scaled as F.dropout scales it
+            mask = (masks or {}).get(f"{a.get('name')}.mask")
+            y = h if not a.get("training") else h * torch.from_numpy(mask).to(h.dtype) * (1.0 / (1.0 - a.get("p", 0.5)))
         else:
             raise SystemExit(f"candidate.py: op {op!r} is not implemented here")
         if keep and a.get("name"):
@@ -197,14 +206,17 @@ def main():
     x = torch.from_numpy(data.pop("input")).to(dtype)
     target = torch.from_numpy(data.pop("target"))
     target = target if spec.get("loss") == "cross_entropy" else target.to(dtype)
+    masks = {name: data.pop(name) for name in [n for n in data if n.endswith(".mask")]}  # no parameters: no gradient
     params = {name: torch.from_numpy(from_layout(value, layout) if value.ndim in (2, 4) else value).to(dtype)
               .requires_grad_(True) for name, value in data.items()}
-    loss, out, named = run(spec["layers"], spec.get("loss", "mse"), x, target, params, args.slip, args.intermediates)
+    loss, out, named = run(spec["layers"], spec.get("loss", "mse"), x, target, params, args.slip, args.intermediates,
+                           masks)
     loss.backward()
     store = np.float64 if dtype == torch.float64 else np.float32
     response = {"loss": np.asarray(loss.item(), store), "output": out.detach().numpy().astype(store)}
     for name, value in params.items():
-        grad = value.grad.numpy().astype(store)
+        # a parameter the backward never reached keeps its zeroed buffer, as a port writes it
+        grad = (value.grad if value.grad is not None else torch.zeros_like(value)).detach().numpy().astype(store)
         if grad.ndim == 4 and args.slip == "flip":
             grad = grad[:, :, ::-1, ::-1]
         if grad.ndim == 4 and args.slip == "ohwi":  # the buffer holds OHWI, whatever the request declared
