@@ -117,6 +117,7 @@ def _traced_layers(module: nn.Module) -> list[dict]:
                              f"{' '.join(str(exc).split())[:200]}); build it from supported ops or as nn.Sequential")
     submodules = dict(module.named_modules())
     layers, by_node, previous, network_input = [], {}, None, None
+    called = set()  # modules already read as a layer
 
     def named(node_name: str) -> str:
         if node_name == network_input:
@@ -143,6 +144,12 @@ def _traced_layers(module: nn.Module) -> list[dict]:
             previous = node.name
             continue
         layer, inputs = _node_layer(node, submodules)
+        if node.op == "call_module" and node.target in called:
+            if OPS[layer["op"]].parametrised:
+                raise ModelSpecError(f"{node.target}: called more than once (its parameters shared); the spec gives "
+                                     f"each layer its own parameters: use one module per call")
+            layer["name"] = node.name  # a parameter-free module called twice (one max-pool per level): fx's own name
+        called.add(node.target)
         tensors = [a.name for a in inputs]
         arity = op_arity(OPS[layer["op"]])
         if len(tensors) != arity:
