@@ -127,6 +127,7 @@ def _traced_layers(module: nn.Module) -> list[dict]:
     submodules = dict(module.named_modules())
     layers, by_node, previous, network_input = [], {}, None, None
     sizes: dict[str, object] = {}  # traced size queries: a shape (None) or the batch size (BATCH_SIZE)
+    called = set()  # modules already read as a layer
 
     def named(node_name: str) -> str:
         if node_name == network_input:
@@ -158,6 +159,12 @@ def _traced_layers(module: nn.Module) -> list[dict]:
         op = OPS[layer["op"]]
         if "name" not in layer and op.request_masks(op.normalise({k: v for k, v in layer.items() if k != "op"})):
             layer["name"] = node.name  # a call reading a mask the request carries (F.dropout in training): '<node>.mask'
+        if node.op == "call_module" and node.target in called:
+            if OPS[layer["op"]].parametrised:
+                raise ModelSpecError(f"{node.target}: called more than once (its parameters shared); the spec gives "
+                                     f"each layer its own parameters: use one module per call")
+            layer["name"] = node.name  # a parameter-free module called twice (one max-pool per level): fx's own name
+        called.add(node.target)
         tensors = [a.name for a in inputs]
         arity = op_arity(OPS[layer["op"]])
         if len(tensors) != arity:

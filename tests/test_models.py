@@ -121,6 +121,33 @@ def test_from_module_reads_sequential_and_traced_modules():
     assert torch.allclose(module(x), torch.from_numpy(forward_backward(problem, "float64").output), atol=1e-14)
 
 
+def test_a_parameter_free_module_called_twice_is_two_layers_and_shared_weights_are_refused():
+    class TwoLevels(nn.Module):
+        """A U-Net's encoder as often written: one nn.MaxPool2d reused at every level."""
+
+        def __init__(self, share: bool = False):
+            super().__init__()
+            self.c0, self.c1 = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+            self.c2 = self.c1 if share else nn.Conv2d(4, 4, 3, padding=1)
+            self.pool = nn.MaxPool2d(2)
+
+        def forward(self, x):
+            return self.c2(self.pool(self.c1(self.pool(self.c0(x)))))
+
+    network = from_module(TwoLevels())
+    assert [(layer.op, layer.name) for layer in network.layers] == [
+        ("conv2d", "c0"), ("max_pool2d", "pool"), ("conv2d", "c1"), ("max_pool2d", "pool_1"), ("conv2d", "c2")]
+    problem = make_problem(8, 1, 0, network=network)
+    module = TwoLevels().double()
+    with torch.no_grad():
+        for key, value in module.state_dict().items():
+            value.copy_(torch.from_numpy(problem.params[key]))
+    x = torch.from_numpy(problem.input).double()
+    assert torch.allclose(module(x), torch.from_numpy(forward_backward(problem, "float64").output), atol=1e-14)
+    with pytest.raises(ModelSpecError, match="c1: called more than once"):
+        from_module(TwoLevels(share=True))
+
+
 def test_from_module_names_an_unsupported_op():
     with pytest.raises(ModelSpecError, match=r"1: unsupported module PixelShuffle: supported ops are conv2d"):
         from_module(nn.Sequential(nn.Conv2d(1, 4, 3), nn.PixelShuffle(2)))
