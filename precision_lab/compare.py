@@ -123,7 +123,7 @@ def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, stor
         q.evidence = (f"the error model gives no finite bound at {int(unbounded.sum())} of {q.size} elements (its worst "
                       f"case leaves no relative accuracy there): neither rounding nor a defect is shown")
     elif q.verdict == "roundoff" and certifying:
-        certify(q, ref, bound)
+        certify(q, ref, bound, storage)
     return q
 
 
@@ -141,10 +141,23 @@ def bound_fraction(ref: np.ndarray, bound: np.ndarray) -> float:
         return float(np.linalg.norm(bound)) / size if size > 0 else 0.0
 
 
-def certify(q: QuantityVerdict, ref: np.ndarray, bound: np.ndarray) -> None:
-    """A quantity within its bound stays `roundoff` only if the bound is below CERTIFIABLE_FRACTION of it."""
+def zero_to_reference_accuracy(ref: np.ndarray, bound: np.ndarray, storage: str = "float32") -> bool:
+    """Whether the float64 reference is zero within its own rounding: ‖ref‖₂ ≤ (u₆₄ ÷ u)·‖bound‖₂.
+
+    The bound is first order in the claimed unit roundoff u (γₙ ≈ nu, Higham 2002 §3.1, and every propagated
+    part), so the reference's own float64 error is bounded by the same expression at u₆₄. A gradient exactly zero
+    by structure (a convolution's bias in front of a training-mode batch norm, which removes every per-channel
+    shift) comes out of float64 as noise of that size: there is no gradient to lose, as for ref = 0."""
+    accuracy = formats.unit_roundoff("float64") / formats.unit_roundoff(storage)
+    with np.errstate(over="ignore"):
+        return float(np.linalg.norm(ref)) <= accuracy * float(np.linalg.norm(bound))
+
+
+def certify(q: QuantityVerdict, ref: np.ndarray, bound: np.ndarray, storage: str = "float32") -> None:
+    """A quantity within its bound stays `roundoff` only if the bound is below CERTIFIABLE_FRACTION of it, or the
+    quantity is zero to the reference's own accuracy (zero_to_reference_accuracy)."""
     fraction = bound_fraction(ref, bound)
-    if fraction > CERTIFIABLE_FRACTION:
+    if fraction > CERTIFIABLE_FRACTION and not zero_to_reference_accuracy(ref, bound, storage):
         q.verdict = "inconclusive"
         q.evidence = (f"within a bound {fraction:.3g}× the quantity's own size (‖bound‖ ÷ ‖reference‖ > "
                       f"{CERTIFIABLE_FRACTION:g}): such a bound cannot tell rounding from a lost gradient; settle it "

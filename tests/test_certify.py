@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from precision_lab import errmodel
 from precision_lab.compare import CERTIFIABLE_FRACTION, measure
 from precision_lab.compute import Result, forward_backward
 from precision_lab.ops.routing import FlattenHWC
@@ -430,3 +431,31 @@ def test_the_order_of_the_doctors_findings_does_not_change_a_judgement(small_pro
             got = findings.apply(comparisons, shuffled)
             assert {n: (q.verdict, q.layout_fix, q.format, q.cause) for n, q in got.items()} == expected, name
         assert all(comparisons[n].layout_fix is None and comparisons[n].cause is None for n in comparisons)  # unedited
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_gradient_zero_by_structure_is_certified_and_a_nonzero_one_there_is_a_defect(seed):
+    """A convolution's bias in front of a training-mode batch norm gets no gradient (the norm removes every
+    per-channel shift): float64 leaves noise around 1e-17, far below the reference's own accuracy, so PyTorch's
+    float32 run is roundoff there, not inconclusive; a port that sends it a gradient is still a defect."""
+    import torch
+    from torch import nn
+
+    from precision_lab.compare import zero_to_reference_accuracy
+    from precision_lab.compute import autograd_forward_backward
+    from precision_lab.modules import from_module
+
+    torch.manual_seed(0)
+    network = from_module(nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                        nn.Conv2d(8, 1, 3, padding=1)))
+    problem = make_problem(16, 2, seed, network=network)
+    trace = reference(problem)
+    bound = errmodel.error_bounds(trace, "float32")["0.bias"].bound
+    assert 0 < np.abs(trace.grads["0.bias"]).max() < 1e-15 and zero_to_reference_accuracy(trace.grads["0.bias"], bound)
+    run = autograd_forward_backward(problem, "float32")
+    judgement = judge(run, trace)
+    assert judgement.quantities["0.bias"].verdict == "roundoff" and judgement.verdict == "roundoff", judgement.to_text()
+    run.grads["0.bias"] = run.grads["0.bias"] + 1e-3 * np.abs(run.grads["1.bias"]).max()
+    assert judge(run, trace).quantities["0.bias"].verdict == "defect"
+    # a quantity of ordinary size is never zero to the reference's accuracy, however large its bound
+    assert not zero_to_reference_accuracy(trace.grads["1.bias"], bound * 1e6)
