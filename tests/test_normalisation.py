@@ -496,3 +496,25 @@ def test_an_onnx_export_reads_batch_and_layer_norms_as_from_module_and_computes_
     with torch.no_grad():
         expected = module.double()(x)
         assert (lab(x) - expected).abs().max() <= 1e-12 * expected.abs().max()
+
+
+@pytest.mark.parametrize("name", ["body1.weight", "bn1.bias"])
+def test_a_gradient_summed_over_one_sample_is_named_where_batch_statistics_couple_the_samples(name):
+    """Batch statistics make a batch of one another function: the slip is one sample's part of the batch's backward
+    (its upstream gradient kept on one sample), built here from the reference's stored operands."""
+    from precision_lab.model import load_model
+
+    network = load_model("examples/models/dncnn-bn.json")
+    problem = make_problem(24, 2, 0, network=network)
+    trace = reference(problem)
+    layer = network.layers[network.index_of(name.split(".")[0])]
+    g = trace.grad_at(layer.index).double()[:1]
+    if name.endswith("bias"):
+        part = g.sum(dim=(0, 2, 3))
+    else:
+        x = trace.value(layer.inputs[0]).double()[:1]
+        part = torch.nn.grad.conv2d_weight(x, network.param_shapes[name], g, padding=1)
+    run = autograd_forward_backward(problem, "float32")
+    run.grads[name] = part.numpy().astype(np.float32)
+    judgement = judge(run, trace)
+    assert judgement.verdict == "defect" and judgement.cause == "sample 0 of the batch only", judgement.to_text()

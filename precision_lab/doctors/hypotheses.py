@@ -145,12 +145,37 @@ def _one_sample(reference: Trace, pairs, failing):
     problem = reference.problem
     if problem.batch < 2:
         return
+    network = reference.network
+    if any(OPS[layer.op].couples_batch(layer.attrs) for layer in network.layers):
+        # samples meet (batch statistics): one sample's part of the batch's backward, not a batch of one's gradient
+        for b in range(problem.batch):
+            expected = _sample_part(reference, b)
+            yield f"sample {b} of the batch only", expected, list(expected), False
+        return
     total = problem.batch
     for b in range(problem.batch):
         part = forward_backward(problem.with_batch(b, b + 1), "float64", reference.device)
         scale = 1.0 / total  # each sample's loss is a mean over its own positions, the batch's the mean of those
         expected = {name: value * scale for name, value in part.grads.items()}
         yield f"sample {b} of the batch only", expected, list(expected), False
+
+
+def _sample_part(reference: Trace, b: int) -> dict[str, np.ndarray]:
+    """Each parameter's gradient from sample b's positions only: its layer's backward with the batch's upstream
+    gradient kept on sample b and zero elsewhere (float64 from the stored operands)."""
+    from ..compute import layer_params
+
+    network, out = reference.network, {}
+    params = {name: value.double() for name, value in reference.params.items()}
+    for layer in network.parametrised_layers:
+        g = reference.grad_at(layer.index).double()
+        kept = torch.zeros_like(g)
+        kept[b] = g[b]
+        xs = [reference.value(i).double() for i in layer.inputs]
+        _, grads = OPS[layer.op].backward(layer.attrs, kept, xs, reference.value(layer.index).double(),
+                                          layer_params(params, layer), Kernels(), [False] * len(xs))
+        out.update({f"{layer.name}.{suffix}": value.cpu().numpy() for suffix, value in grads.items()})
+    return out
 
 
 def _stale_weights(reference: Trace, pairs, failing):
