@@ -13,6 +13,7 @@ from precision_lab.ops import OPS
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference
 from precision_lab.verdict import judge
+from walk_checks import assert_walks_as_autograd
 
 
 class TokenMLP(nn.Module):
@@ -71,10 +72,7 @@ def _converted(module_class, loss="cross_entropy"):
 
 def _walks_as_autograd(network, size=8):
     problem = make_problem(size, 2, 0, network=network)
-    walked, autograd = forward_backward(problem, "float64"), autograd_forward_backward(problem, "float64")
-    assert abs(walked.loss - autograd.loss) <= 1e-12 * abs(autograd.loss)
-    for parameter, expected in autograd.grads.items():
-        assert np.abs(walked.grads[parameter] - expected).max() <= 1e-11 * np.abs(expected).max(), parameter
+    assert_walks_as_autograd(problem)
 
 
 def test_an_image_becomes_tokens_and_a_linear_reads_each_token():

@@ -112,8 +112,12 @@ def test_from_module_reads_sequential_and_traced_modules():
     traced = from_module(Residual())
     assert [layer.op for layer in traced.layers] == ["conv2d", "relu", "conv2d", "tanh", "add"]
     assert traced.layers[-1].source == 1  # the add reads the ReLU's output
-    problem = make_problem(12, 1, 0, network=traced)
-    module = Residual().double()
+    _assert_module_computes_as_the_walk(Residual(), make_problem(12, 1, 0, network=traced))
+
+
+def _assert_module_computes_as_the_walk(module, problem):
+    """The module, given the problem's parameters, has the walk's float64 output."""
+    module = module.double()
     with torch.no_grad():
         for key, value in module.state_dict().items():
             value.copy_(torch.from_numpy(problem.params[key]))
@@ -137,13 +141,7 @@ def test_a_parameter_free_module_called_twice_is_two_layers_and_shared_weights_a
     network = from_module(TwoLevels())
     assert [(layer.op, layer.name) for layer in network.layers] == [
         ("conv2d", "c0"), ("max_pool2d", "pool"), ("conv2d", "c1"), ("max_pool2d", "pool_1"), ("conv2d", "c2")]
-    problem = make_problem(8, 1, 0, network=network)
-    module = TwoLevels().double()
-    with torch.no_grad():
-        for key, value in module.state_dict().items():
-            value.copy_(torch.from_numpy(problem.params[key]))
-    x = torch.from_numpy(problem.input).double()
-    assert torch.allclose(module(x), torch.from_numpy(forward_backward(problem, "float64").output), atol=1e-14)
+    _assert_module_computes_as_the_walk(TwoLevels(), make_problem(8, 1, 0, network=network))
     with pytest.raises(ModelSpecError, match="c1: called more than once"):
         from_module(TwoLevels(share=True))
 

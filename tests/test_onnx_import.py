@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 from onnx.reference import ReferenceEvaluator  # noqa: E402
 
 from precision_lab import cli  # noqa: E402
-from precision_lab.compute import autograd_forward_backward, forward_backward  # noqa: E402
+from precision_lab.compute import forward_backward  # noqa: E402
 from precision_lab.model import ModelSpecError, load_model  # noqa: E402
 from precision_lab.modules import SpecModule, from_module  # noqa: E402
 from precision_lab.model import read_onnx  # noqa: E402
@@ -25,6 +25,7 @@ from precision_lab.reference import reference  # noqa: E402
 from precision_lab.verdict import judge  # noqa: E402
 
 from test_architectures import NETWORKS  # noqa: E402
+from walk_checks import assert_pytorch_float32_is_roundoff, assert_walks_as_autograd  # noqa: E402
 
 RNG = np.random.default_rng(0)
 
@@ -264,12 +265,8 @@ def test_an_imported_network_walks_as_autograd_and_pytorchs_float32_run_is_round
     _, path, loss, _ = _exported(name, tmp_path, 17)
     network = load_model({"onnx": str(path), "loss": loss})
     problem = make_problem(16, 2, 0, network=network)
-    walked, autograd = forward_backward(problem, "float64"), autograd_forward_backward(problem, "float64")
-    assert abs(walked.loss - autograd.loss) <= 1e-12 * abs(autograd.loss)
-    for parameter, expected in autograd.grads.items():
-        assert np.abs(walked.grads[parameter] - expected).max() <= 1e-11 * np.abs(expected).max(), parameter
-    judgement = judge(autograd_forward_backward(problem, "float32"), reference(problem))
-    assert judgement.verdict == "roundoff", judgement.to_text()
+    assert_walks_as_autograd(problem)
+    assert_pytorch_float32_is_roundoff(problem)
 
 
 def test_a_slip_in_a_port_of_an_imported_network_is_a_defect_with_its_cause(tmp_path):

@@ -10,6 +10,7 @@ from onnx import helper, numpy_helper  # noqa: E402
 from precision_lab.model import ModelSpecError, read_onnx  # noqa: E402
 
 from test_onnx_import import _agrees_with_onnx, _conv, _save, _weights  # noqa: E402
+from walk_checks import assert_pytorch_float32_is_roundoff, assert_walks_as_autograd  # noqa: E402
 
 
 def _group_norm_graph(tmp_path, opset: int, groups: int, affine_size: int, **attrs):
@@ -187,22 +188,15 @@ def test_pytorchs_float32_run_of_an_exported_token_block_is_roundoff(module_name
     import test_attention
     import test_reshape
 
-    from precision_lab.compute import autograd_forward_backward, forward_backward
     from precision_lab.model import load_model
     from precision_lab.problem import make_problem
-    from precision_lab.reference import reference
-    from precision_lab.verdict import judge
 
     module_class = getattr(test_attention, module_name, None) or getattr(test_reshape, module_name)
     _, path = _exported(module_class, tmp_path)
     network = load_model({"onnx": str(path), "loss": "cross_entropy"})
     problem = make_problem(16, 2, 0, network=network)
-    walked, autograd = forward_backward(problem, "float64"), autograd_forward_backward(problem, "float64")
-    assert abs(walked.loss - autograd.loss) <= 1e-12 * abs(autograd.loss)
-    for parameter, expected in autograd.grads.items():
-        assert np.abs(walked.grads[parameter] - expected).max() <= 1e-11 * np.abs(expected).max(), parameter
-    judgement = judge(autograd_forward_backward(problem, "float32"), reference(problem))
-    assert judgement.verdict == "roundoff", judgement.to_text()
+    assert_walks_as_autograd(problem)
+    assert_pytorch_float32_is_roundoff(problem)
 
 
 def test_multi_head_attentions_export_is_refused_naming_the_node_that_moves_the_batch(tmp_path):

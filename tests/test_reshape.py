@@ -2,7 +2,6 @@
 `x.reshape(n, -1, heads, d)`, `permute`, `transpose` and `flatten`, read by from_module, walked as autograd, PyTorch's
 own float32 run judged roundoff, a permute whose backward repeats the permutation a defect with its cause named, and
 each head split that mixes the batch axis refused in one line naming the call."""
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +15,7 @@ from precision_lab.ops.tokens import _permuted_again
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference
 from precision_lab.verdict import judge
+from walk_checks import assert_walks_as_autograd
 
 
 class HeadSplitSDPA(nn.Module):
@@ -71,10 +71,7 @@ def _converted(module_class):
 
 def _walks_as_autograd(network, size=16):
     problem = make_problem(size, 2, 0, network=network)
-    walked, autograd = forward_backward(problem, "float64"), autograd_forward_backward(problem, "float64")
-    assert abs(walked.loss - autograd.loss) <= 1e-12 * abs(autograd.loss)
-    for parameter, expected in autograd.grads.items():
-        assert np.abs(walked.grads[parameter] - expected).max() <= 1e-11 * np.abs(expected).max(), parameter
+    assert_walks_as_autograd(problem)
 
 
 def _op_walks_as_autograd(op_name, attrs, x):
