@@ -11,6 +11,7 @@ Prints the verdict with its evidence; exit 0 for ``roundoff`` (of the problem an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from .candidates import Candidate
     from .decision import Diagnosis, Float64Build, Spread
     from .verdict import Judgement
-    from .candidates.command import CommandProgram
     from .compute import Result, Trace
     from .problem import Problem
 
@@ -123,30 +123,36 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
     if getattr(candidate, "problem", None) is not None:
         chosen = []  # a static bundle holds the answer to its own problem only: nothing to probe
     bar = _bar(1 + len(chosen) + max(0, repeats - 1), progress)
-    result, trace = _run(candidate, problem, where)
-    bar.update()
-    spread = _repeats(candidate, problem, where, trace, result, repeats, bar) if repeats > 1 else None
-    main = judge(result, trace, candidate.claimed_precision, candidate.name, fingerprint=fingerprint)
-    recompiled = (float64_build_evidence(candidate, problem, where, result, trace)
-                  if has_float64_build(candidate, main) else None)
+    with _programs(candidate) as programs:
+        beside = has_float64_build(candidate) and where.type == "cpu"  # a GPU may be in exclusive-process mode
+        result, trace, build64 = _run(candidate, problem, where, programs, float64=beside)
+        bar.update()
+        spread = _repeats(candidate, problem, where, trace, result, repeats, bar) if repeats > 1 else None
+        main = judge(result, trace, candidate.claimed_precision, candidate.name, fingerprint=fingerprint)
+        judged = judge_probes(candidate, problem, where, chosen, bar=bar, programs=programs)  # while a float64 build may still run
+        recompiled = None
+        if build64 is not None or has_float64_build(candidate, main):
+            result64 = _float64_run(candidate, problem, where, build64) if build64 is not None else None
+            recompiled = float64_build_evidence(candidate, problem, where, result, trace, result64)
     del trace
-    judged = judge_probes(candidate, problem, where, chosen, bar=bar)
     bar.close()
     return decide(main, judged, float64_build=recompiled, spread=spread, probed=bool(chosen) or
                   getattr(candidate, "problem", None) is not None,
                   probe_note=probe_set.fixed_size_note(problem.network, problem) if chosen else None)
 
 
-def judge_probes(candidate: Candidate, problem: Problem, where, probes, bar=None, reference_of=None) -> list:
+def judge_probes(candidate: Candidate, problem: Problem, where, probes, bar=None, reference_of=None,
+                 programs=None) -> list:
     """(ProbeRun, Judgement) of `candidate` on each probe of `problem`; `reference_of(problem, where)` gives a
-    probe's float64 reference (a notebook shares them between candidates), else each is built here."""
+    probe's float64 reference (a notebook shares them between candidates), else each is built here (beside the
+    program's run, with `programs` from _programs)."""
     from .verdict import judge
 
     judged = []
     for probe in probes:
         probe_problem = probe_set.probe_problem(probe, problem)
         if reference_of is None:
-            probe_result, probe_trace = _run(candidate, probe_problem, where)
+            probe_result, probe_trace, _ = _run(candidate, probe_problem, where, programs)
         else:
             probe_result, probe_trace = candidate.compute(probe_problem, "float32", where), reference_of(probe_problem, where)
         judged.append((probe_set.ProbeRun.of(probe, probe_problem),
@@ -168,12 +174,14 @@ def has_float64_build(candidate: Candidate, judgement: Judgement | None = None) 
 
 
 def float64_build_evidence(candidate: Candidate, problem: Problem, where, result32: Result,
-                           trace: Trace) -> Float64Build:
-    """The float64 recompilation (experiment 02) on the requested problem, as evidence for the decision."""
+                           trace: Trace, result64: Result | None = None) -> Float64Build:
+    """The float64 recompilation (experiment 02) on the requested problem, as evidence for the decision
+    (`result64`: the build's run, when it was started already)."""
     from .experiments.float64_recompilation import build_evidence
     from .verdict import judge
 
-    result64 = candidate.compute(problem, "float64", where)
+    if result64 is None:
+        result64 = candidate.compute(problem, "float64", where)
     judgement64 = judge(result64, trace, "float64", candidate.name, fingerprint=False, hypotheses=False)
     return build_evidence(result32, result64, trace, problem.network.parameter_names, judgement64.verdict)
 
@@ -184,33 +192,89 @@ def _bar(total: int, enabled: bool):
     return tqdm(total=total, desc="diagnose", unit="problem", disable=not enabled, file=sys.stderr, leave=False)
 
 
-def _run(candidate: Candidate, problem: Problem, where) -> tuple[Result, Trace]:
-    from .candidates.command import CommandProgram
+def _run(candidate: Candidate, problem: Problem, where, programs: _Programs | None = None, float64: bool = False):
+    """The candidate's run on `problem`, its float64 reference, and (with `float64`, for a program) the float64
+    build's run still in flight (a Future, else None).
+
+    A program (a command candidate) runs in its own process, its float64 build beside it in another, while this
+    one builds the reference and the bounds of both claims (error_bounds caches them on the trace): the programs'
+    and the lab's work overlap, so a diagnosis costs about its slowest run, not the sum (docs/results.md, "The float64
+    reference and the cost of a diagnosis"). In-process candidates run first: their transients never meet the
+    reference's."""
+    from . import errmodel
     from .reference import reference
+
+    if programs is None:
+        result = candidate.compute(problem, "float32", where)
+        return result, reference(problem, where), None
+    running = programs.submit(candidate.compute, problem, "float32", where)
+    build64 = programs.submit(candidate.compute, problem, "float64", where) if float64 else None
+    with programs.threads() as leave:
+        leave()
+        trace = reference(problem, where)
+        leave()
+        errmodel.error_bounds(trace, candidate.claimed_precision)
+        if build64 is not None:
+            leave()
+            errmodel.error_bounds(trace, "float64")
+    return running.result(), trace, build64
+
+
+def _float64_run(candidate: Candidate, problem: Problem, where, build64) -> Result:
+    """The float64 build's run started beside the claimed one; if it failed there, it runs once more alone
+    (a licence, a lock file or a device the two builds cannot share), and that run's failure is the one reported."""
+    from .candidates import CandidateError
+
+    try:
+        return build64.result()
+    except CandidateError:
+        return candidate.compute(problem, "float64", where)
+
+
+class _Programs:
+    """A command candidate's calls in flight: threads wait on them (the GIL is released while waiting)."""
+
+    def __init__(self, pool: ThreadPoolExecutor):
+        self.pool, self.runs = pool, []
+
+    def submit(self, *call):
+        run = self.pool.submit(*call)
+        self.runs.append(run)
+        return run
+
+    @contextlib.contextmanager
+    def threads(self):
+        """Yields `leave()`, which sets the lab's threads to the cores the programs still running leave, at least
+        one; called before each stage, the threads come back as the programs end. Threads that wait at every op's
+        barrier for a core a program holds burn CPU: 16–17 CPU-seconds of the lab's instead of 21 in a 1024²
+        diagnosis of the numpy example with its float64 build, 2 cores (docs/results.md)."""
+        import torch
+
+        threads = torch.get_num_threads()
+
+        def leave():
+            torch.set_num_threads(max(1, threads - sum(not run.done() for run in self.runs)))
+
+        try:
+            yield leave
+        finally:
+            torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _programs(candidate: Candidate):
+    """A command candidate's _Programs (None for in-process candidates): anything that stops the diagnosis (Ctrl-C,
+    an error, a failed run) kills every call in flight first, so nothing is left running."""
+    from .candidates.command import CommandProgram
 
     program = getattr(candidate.run, "__self__", None)  # a command candidate's run is CommandProgram.run
-    if isinstance(program, CommandProgram):
-        return _overlapped(candidate, program, problem, where)
-    # in-process candidates first: their transients never meet the reference's
-    result = candidate.compute(problem, "float32", where)
-    return result, reference(problem, where)
-
-
-def _overlapped(candidate: Candidate, program: CommandProgram, problem: Problem, where) -> tuple[Result, Trace]:
-    """An external program runs in its own process while this one builds the float64 reference.
-
-    Its wait happens in a thread (the GIL is released while waiting); the error bounds, the
-    memory peak of a diagnosis, come after it has exited. Anything that stops the reference
-    (Ctrl-C, an error) kills the program first, so nothing is left running.
-    """
-    from .reference import reference
-
+    if not isinstance(program, CommandProgram):
+        yield None
+        return
     program.allow_calls()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="candidate") as pool:
-        running = pool.submit(candidate.compute, problem, "float32", where)
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="candidate") as pool:
         try:
-            trace = reference(problem, where)
-            return running.result(), trace
+            yield _Programs(pool)
         except BaseException:
             program.cancel()
             raise
@@ -260,10 +324,12 @@ def main(args: argparse.Namespace) -> int:
     from .device import resolve_device
 
     if args.candidate is not None:  # `model: opaque`: the reference-free gradient check instead
-        from .candidates.opaque import OpaqueCandidate, run_diagnose
-
         opaque = resolve(args.candidate)
-        if isinstance(opaque, OpaqueCandidate):
+        # resolve imports the check (and SciPy, 0.7 s) only for a `model: opaque` YAML: no module, no opaque candidate
+        checks = sys.modules.get("precision_lab.candidates.opaque")
+        if checks is not None and isinstance(opaque, checks.OpaqueCandidate):
+            from .candidates.opaque import run_diagnose
+
             result = run_diagnose(opaque, args)
             if args.json:
                 write_json_verdict(args.json, result.to_json())

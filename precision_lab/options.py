@@ -8,6 +8,9 @@ from __future__ import annotations
 from .errors import LabInputError
 from .sizes import ProblemError, parse_size
 
+#: the environment variable `precision-lab run` sets to "0": no progress bars in the reports
+PROGRESS_ENV = "PRECISION_LAB_PROGRESS"
+
 
 def integer(text, option: str, minimum: int, words: str) -> int:
     """An integer ≥ minimum from `text`, or LabInputError naming `option`."""

@@ -294,3 +294,70 @@ def test_an_interpreter_without_a_script_file_is_left_alone(folder, problem):
     # `python -c CODE`: no script to look for; the program runs (and fails for its own reason)
     _fails(_yaml(folder, command=["{python}", "-c", "import sys; sys.exit(3)", "{response}"]), problem,
            r"exit")
+
+
+# A program whose two builds share a device: the claimed build holds `busy` while it runs; the float64 build waits
+# until the claimed one has started and fails while it holds the device ("device busy"), as an exclusive GPU would.
+SHARED = textwrap.dedent('''
+    import os, sys, time
+    from pathlib import Path
+    lock, started = Path(os.environ["LOCK_DIR"]) / "busy", Path(os.environ["LOCK_DIR"]) / "started32"
+    (Path(os.environ["LOCK_DIR"]) / f"pid-{os.environ['PRECISION_LAB_PRECISION']}").write_text(str(os.getpid()))
+    if os.environ.get("SLEEP"):
+        time.sleep(30)
+    if os.environ["PRECISION_LAB_PRECISION"] == "float32":
+        lock.touch()
+        started.touch()
+        time.sleep(1.0)
+    else:
+        deadline = time.monotonic() + 30
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if lock.exists():
+            sys.exit("device busy")
+    sys.path.insert(0, os.environ["EXAMPLE_DIR"])
+    import candidate
+    candidate.main(sys.argv[1], sys.argv[2])
+    lock.unlink(missing_ok=True)
+''')
+
+
+def _shared_yaml(folder: Path, **env) -> Path:
+    (folder / "shared.py").write_text(SHARED)
+    argv = ["{python}", "shared.py", "{request}", "{response}"]
+    return _yaml(folder, "shared", command=argv, command_float64=argv,
+                 env={"EXAMPLE_DIR": str(EXAMPLE.parent), "LOCK_DIR": str(folder), **env})
+
+
+def test_a_float64_build_that_cannot_run_beside_the_claimed_one_runs_again_alone(folder, problem):
+    from precision_lab.diagnosis import diagnose
+
+    diagnosis = diagnose(resolve(str(_shared_yaml(folder))), problem, "cpu", probes=[])
+    # the first float64 call failed while the claimed build held the device: the lab ran it again after
+    assert diagnosis.verdict == "roundoff" and diagnosis.float64_build is not None
+    assert diagnosis.float64_build.persists == [] and not (folder / "busy").exists()
+
+
+def test_diagnosis_stopped_during_the_reference_kills_both_builds(folder, problem, monkeypatch):
+    import time
+
+    import psutil
+
+    from precision_lab import diagnosis as diagnosis_module, reference as reference_module
+
+    candidate = resolve(str(_shared_yaml(folder, SLEEP="1")))
+    pids = [folder / "pid-float32", folder / "pid-float64"]
+
+    def interrupted_reference(*_args):  # Ctrl-C once both builds run beside the reference
+        deadline = time.monotonic() + 60
+        while not all(p.exists() for p in pids):
+            assert time.monotonic() < deadline, "the two builds never ran at once"
+            time.sleep(0.05)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reference_module, "reference", interrupted_reference)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        diagnosis_module.diagnose(candidate, problem, "cpu", probes=[])
+    assert time.monotonic() - start < 20  # each build sleeps 30 s: both were killed, not waited for
+    assert not any(psutil.pid_exists(int(p.read_text())) for p in pids)

@@ -77,3 +77,24 @@ def test_every_notebook_reads_a_programs_float64_build_as_diagnose_does(tmp_path
     assert decided.verdict == "defect" and decided.float64_build.persists == ["conv3.bias"]
     _, swept = size_sweep.sweep([12], [candidate], cpu, probes="none")
     assert swept[candidate.name].verdict == "defect"
+
+
+def test_the_float64_build_run_beside_the_claimed_one_gives_the_numbers_it_gives_alone(tmp_path):
+    """diagnose starts the float64 build beside the claimed one and bounds both claims while they run: the evidence is
+    the one the builds give one after the other, to the last bit."""
+    import torch
+
+    from precision_lab.candidates import resolve
+    from precision_lab.diagnosis import diagnose, float64_build_evidence
+    from precision_lab.problem import make_problem
+    from precision_lab.reference import reference
+
+    candidate = resolve(str(_candidate(tmp_path, "scaled")))
+    problem = make_problem(12, 2, 0)
+    beside = diagnose(candidate, problem, "cpu", probes=[]).float64_build
+    cpu = torch.device("cpu")
+    alone = float64_build_evidence(candidate, problem, cpu, candidate.compute(problem, "float32", cpu),
+                                   reference(problem, cpu))
+    assert beside.quantities == alone.quantities
+    assert beside.verdict == alone.verdict == "defect"  # the bug is in both builds: beyond float64 rounding too
+    assert beside.persists == ["conv3.bias"]

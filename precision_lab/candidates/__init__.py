@@ -12,6 +12,7 @@ or a bundle directory (a static bundle).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -65,8 +66,9 @@ class Candidate:
         device = torch.device(device)
         from ..conv.backends import native_flags
 
-        # a candidate computes what it claims: TF32 on a GPU only where its own run asks for it (native-tf32)
-        with native_flags(fp32_precision="ieee"):
+        # a candidate computes what it claims: TF32 on a GPU only where its own run asks for it (native-tf32); a
+        # program's arithmetic is its own, and its runs overlap (precision_lab.diagnosis): the global flags stay put
+        with native_flags(fp32_precision="ieee") if self.family != "command" else contextlib.nullcontext():
             result = self.run(problem, precision, device)
         result.meta.setdefault("candidate", self.name)
         result.meta.setdefault("claimed_precision", self.claimed_precision if precision == "float32" else "float64")

@@ -16,8 +16,8 @@ from tqdm import tqdm
 from ..candidates import Candidate, CandidateError, resolve
 from ..compute import Trace
 from ..device import resolve_device
-from ..gradcheck.program import PROGRESS_ENV  # "0" from `precision-lab run`: no bars in the reports
 from ..model import load_model
+from ..options import PROGRESS_ENV  # "0" from `precision-lab run`: no bars in the reports
 from ..paths import ROOT
 from ..problem import Problem, make_problem
 from ..reference import reference

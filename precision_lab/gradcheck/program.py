@@ -12,11 +12,10 @@ import numpy as np
 
 from .. import formats
 from ..errors import LabInputError
+from ..options import PROGRESS_ENV  # "0": the progress bar stays off even on a terminal
 
 #: default number of program calls: ≤ 60 for ≤ 10 tensors, 4 more per tensor beyond
 BUDGET_BASE, BUDGET_PER_TENSOR = 20, 4
-#: set to "0" to keep the progress bar off even on a terminal
-PROGRESS_ENV = "PRECISION_LAB_PROGRESS"
 
 
 class GradCheckError(LabInputError):
