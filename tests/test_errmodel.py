@@ -218,3 +218,30 @@ def test_sparse_flip_path_gives_the_dense_bounds(problem_and_reference, precisio
     dense = errmodel.error_bounds(reference(problem), precision)
     for name in errmodel.quantities(problem.network):  # the same sums in another order: float32 evaluation differences only
         np.testing.assert_allclose(sparse[name].bound, dense[name].bound, rtol=2e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("precision", ["float32", "tf32"])
+def test_a_gradient_two_readers_share_is_never_overwritten_by_either(monkeypatch, precision):
+    """An add hands the same error tensors to both its inputs. A reader that overwrote them (a weight gradient squaring
+    them in place, a ReLU masking them) shrank the other branch's bound: the projection ResNet's conv1.weight bound was
+    7.7× too small at 40×36, conv2.bias's 1.2e4× under tf32. The bounds are those of a private copy for each branch."""
+    from precision_lab.model import load_model
+    from precision_lab.ops import OPS, GradField
+    from precision_lab.paths import ROOT
+
+    problem = make_problem((40, 36), 2, 0, network=load_model(ROOT / "examples" / "models" / "resnet-projection.json"))
+    shared = errmodel._error_bounds(reference(problem), precision, errmodel.LAMBDA)
+    add = type(OPS["add"])
+    original = add.backward_error
+
+    def private(self, attrs, g, grad, ins, out, params, ctx, need):
+        fields, parts = original(self, attrs, g, grad, ins, out, params, ctx, need)
+        return [None if f is None else GradField(f.error.clone(), None if f.flips is None else f.flips.clone(),
+                                                 f.radius, f.flip_count, True, f.coupled) for f in fields], parts
+
+    monkeypatch.setattr(add, "backward_error", private)
+    copied = errmodel._error_bounds(reference(problem), precision, errmodel.LAMBDA)
+    assert shared.keys() == copied.keys()
+    for name in shared:  # the copies sit elsewhere in memory, where BLAS may order a sum otherwise: the evaluation margin
+        np.testing.assert_allclose(shared[name].bound, copied[name].bound, rtol=errmodel.EVALUATION_MARGIN - 1,
+                                   atol=0, err_msg=name)

@@ -109,7 +109,9 @@ class DirectConv:
     def input_grad(self, grad_out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self.forward(grad_out, _flipped_transposed(w))
 
-    def weight_grad(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    def weight_grad(self, x: torch.Tensor, grad_out: torch.Tensor, squares: bool = False) -> torch.Tensor:
+        """Σ x·g per weight; with `squares`, Σ x²·g², each block squared as it is padded (the same products as
+        squaring whole images first, without two image-sized squares: an error bound's Hoeffding sums)."""
         n_img, c_in, height, width = x.shape
         c_out, row = grad_out.shape[1], width + 2
         offsets = [i * row + j for i, j in TAPS]
@@ -119,6 +121,9 @@ class DirectConv:
             padded, length = self._padded_block(x, n, r0, r1), (r1 - r0) * row
             # grad_out on the same flattened grid, zero in the two padding columns of each row
             grad = F.pad(grad_out[n, :, r0:r1], (0, 2)).reshape(c_out, length)
+            if squares:  # both are this block's own copies
+                padded.square_()
+                grad.square_()
             partial = x.new_empty(len(TAPS), c_out, c_in)
             for tap, offset in enumerate(offsets):
                 torch.mm(grad, padded[:, offset:offset + length].T, out=partial[tap])

@@ -20,6 +20,7 @@ Every op is one class registered under its spec name. It says, for itself:
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -112,7 +113,7 @@ class GradField:
     flips: torch.Tensor | None = None
     radius: int | None = 0
     flip_count: int = 0
-    owned: bool = True  # False when the same tensors also went to another input (add): never overwrite them
+    owned: bool = True  # False when the tensors are held elsewhere too (an add's two inputs, a view of them): never overwrite them
     coupled: bool = False  # as Field.coupled: errors shared across the batch's samples
 
 
@@ -411,6 +412,15 @@ class Kernels:
             return algorithm.weight_grad(x, g, attrs, weight_shape) if general else algorithm.weight_grad(x, g)
         return torch.nn.grad.conv2d_weight(x, weight_shape, g, attrs["stride"], attrs["padding"], attrs["dilation"],
                                            attrs["groups"])
+
+    def conv_weight_grad_of_squares(self, x, g, attrs, weight_shape):
+        """conv_weight_grad(x², g²) (an error bound's sums of squared terms): squared block by block where the
+        shift-and-GEMM computes it, the same products without two image-sized squares; else squared here."""
+        algorithm, general = self._algorithm(attrs)
+        if (self.round_operands is None and self.weight_grad_override is None and not general
+                and algorithm is not None and "squares" in inspect.signature(algorithm.weight_grad).parameters):
+            return algorithm.weight_grad(x, g, squares=True)
+        return self.conv_weight_grad(x * x, g * g, attrs, weight_shape)
 
     def linear_forward(self, x, w):
         return torch.matmul(self.rnd(x, "forward"), self.rnd(w, "forward").T)

@@ -154,7 +154,7 @@ class Dropout(Op):
         if not need[0]:
             return [None], {}
         if not attrs["training"]:
-            return [GradField(grad.error, grad.flips, grad.radius, grad.flip_count)], {}
+            return [GradField(grad.error, grad.flips, grad.radius, grad.flip_count, grad.owned)], {}
         mask, s = params[MASK], keep_scale(attrs)
         flips = None if grad.flips is None else grad.flips * mask * s
         return [GradField(self._rounded(attrs, mask, g * mask * s, grad.error, ctx.u), flips, grad.radius,

@@ -299,7 +299,7 @@ class Conv2d(Op):
         bias_parts = None
         n_terms = g.shape[0] * g.shape[2] * g.shape[3]
         g_repeats = [roundoff.repeats(g[:, c], n_terms, ctx.precision) for c in range(g.shape[1])]
-        if "bias" in params:  # before the weight part, which may square the gradient's error in place
+        if "bias" in params:
             bias_parts = _bias_parts(g, g_abs, grad, (0, 2, 3), self._chi(attrs, grad, g), ctx, g_repeats)
         drift = _conv_weight_drift(g, g_repeats, ins[0].value, attrs, tuple(w.shape), ctx)
         parts = {"weight": self._weight_grad_parts(attrs, g, g_abs, grad, flip_points, ins[0], tuple(w.shape), ctx)}
@@ -317,8 +317,8 @@ class Conv2d(Op):
                            ctx: BoundContext) -> Parts:
         """Σ over batch·H_out·W_out of a·g: S, accumulation, rounding, and the upstream errors of a and g.
 
-        `g_abs` is consumed (squared in place); so are the gradient's error and the input's error when
-        the walk says nobody reads them after (each is a full-size tensor at 1024²)."""
+        The sums of squared terms are squared block by block (Kernels.conv_weight_grad_of_squares); the input's
+        error is freed when the walk says nobody reads it after (each is a full-size tensor at 1024²)."""
         wgrad = lambda x, e: ctx.kernels.conv_weight_grad(x, e, attrs, weight_shape)  # noqa: E731
         a_abs = inp.value if inp.nonnegative else inp.value.abs()
         n = g_abs.shape[0] * g_abs.shape[2] * g_abs.shape[3]
@@ -326,8 +326,8 @@ class Conv2d(Op):
         transformed = is_seed_conv(attrs)  # a 3×3 stride-1 layer may be computed by Winograd or FFT
         affordable = n * int(np.prod(weight_shape)) <= ABSORPTION_TERMS_LIMIT  # every term is formed once, below
         if affordable and (not transformed or n <= WINOGRAD_SCALE_LIMIT):
-            # the direct orders' partial sums (where a transformed algorithm's scale comes with them, below); the terms
-            # the candidate may hold nonzero, counted before the walk squares the errors in place
+            # the direct orders' partial sums (where a transformed algorithm's scale comes with them, below), and the
+            # terms the candidate may hold nonzero
             live = wgrad(_may_be_nonzero(inp.value, inp.error), _may_be_nonzero(g, grad.error, grad.flips))
             signed = wgrad(inp.value, g)
         if g_abs.shape[1] <= 4 and attrs["groups"] == 1:
@@ -344,15 +344,12 @@ class Conv2d(Op):
             # Σ E_a·(E_g + F) ≤ max(E_a)·Σ(E_g + F): second order, cheap and tiny
             upstream = grad.error.sum(dim=(0, 2, 3)) + (grad.flips.sum(dim=(0, 2, 3)) if grad.flips is not None else 0.0)
             second_order = float(inp.error.max()) * upstream.view(-1, 1, 1, 1)
-        error_sq = grad.error.square_() if grad.owned else grad.error * grad.error
-        squares = wgrad(a_abs * a_abs, error_sq)
-        del error_sq
+        squares_of = lambda x, e: ctx.kernels.conv_weight_grad_of_squares(x, e, attrs, weight_shape)  # noqa: E731
+        squares = squares_of(a_abs, grad.error)
         if inp.error is not None:
-            input_sq = inp.error.square_() if inp.consumable else inp.error * inp.error
-            squares = 2 * (squares + wgrad(input_sq, g_abs.square_()))
-            del input_sq
+            squares = 2 * (squares + squares_of(inp.error, g_abs))
             if inp.consumable:
-                inp.error = None  # squared: no longer an error bound
+                inp.error = None  # nobody reads it after: freed now (memory at 1024²)
         radius = _max_radius(spread(inp.radius, self.reach(attrs), attrs["stride"][0]), grad.radius)
         chi = roundoff.dependency_count(radius, g_abs.shape[2] * g_abs.shape[3], coupled_terms(n, inp, grad))
         propagated = ctx.sum_of_errors(deterministic, squares, chi) + second_order
@@ -545,7 +542,7 @@ def _bias_parts(g, g_abs, grad: GradField, dims, chi: int, ctx: BoundContext, g_
         n *= g_abs.shape[d]
     abs_sum = g_abs.sum(dim=dims)
     if n <= BIAS_ORDER_FREE_LIMIT:
-        # the terms the candidate may hold nonzero, counted before the weight part squares the errors in place
+        # the terms the candidate may hold nonzero
         live = _may_be_nonzero(g, grad.error, grad.flips).sum(dim=dims)
         own = roundoff.order_free_bound(g, live, ctx.u, ctx.lam, dims).to(abs_sum.dtype)
     else:

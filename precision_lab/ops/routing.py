@@ -392,7 +392,8 @@ class Add(Op):
         return Field(y, total, _max_radius([f.radius for f in ins]), sum(f.flips for f in ins))
 
     def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
-        copy = GradField(grad.error, grad.flips, grad.radius, grad.flip_count)
+        # both inputs get the same tensors: neither reader may overwrite them (a ReLU masks its own copy)
+        copy = GradField(grad.error, grad.flips, grad.radius, grad.flip_count, grad.owned and not all(need))
         return [copy if need[0] else None, copy if need[1] else None], {}
 
 
@@ -459,7 +460,7 @@ class Concat(Op):
                 pieces.append(None)
                 continue
             flips = grad.flips[:, sl] if grad.flips is not None else None
-            pieces.append(GradField(grad.error[:, sl], flips, grad.radius, grad.flip_count))
+            pieces.append(GradField(grad.error[:, sl], flips, grad.radius, grad.flip_count, grad.owned))
         return pieces, {}
 
 
@@ -482,7 +483,7 @@ class Reshaping(Op):
             return [None], {}
         shape = ins[0].value.shape
         flips = grad.flips.reshape(shape) if grad.flips is not None else None
-        return [GradField(grad.error.reshape(shape), flips, None, grad.flip_count)], {}
+        return [GradField(grad.error.reshape(shape), flips, None, grad.flip_count, grad.owned)], {}
 
 
 class Flatten(Reshaping):
@@ -636,7 +637,8 @@ class ZeroPad2d(Op):
         if not need[0]:
             return [None], {}
         flips = self._crop(attrs, grad.flips).contiguous() if grad.flips is not None else None
-        return [GradField(self._crop(attrs, grad.error).contiguous(), flips, grad.radius, grad.flip_count)], {}
+        return [GradField(self._crop(attrs, grad.error).contiguous(), flips, grad.radius, grad.flip_count,
+                          grad.owned)], {}
 
 
 class GlobalAvgPool2d(Op):

@@ -161,7 +161,7 @@ class Transpose(Op):
         if not need[0]:
             return [None], {}
         flips = self._swap(attrs, grad.flips) if grad.flips is not None else None
-        return [GradField(self._swap(attrs, grad.error), flips, None, grad.flip_count)], {}
+        return [GradField(self._swap(attrs, grad.error), flips, None, grad.flip_count, grad.owned)], {}
 
 
 class Reshape(Reshaping):
@@ -361,7 +361,7 @@ class Permute(Op):
         if not need[0]:
             return [None], {}
         flips = self._back(attrs, grad.flips) if grad.flips is not None else None
-        return [GradField(self._back(attrs, grad.error), flips, None, grad.flip_count)], {}
+        return [GradField(self._back(attrs, grad.error), flips, None, grad.flip_count, grad.owned)], {}
 
     def port_slips(self, attrs, in_shape):
         if self._inverse(attrs["dims"]) == attrs["dims"]:
