@@ -2,7 +2,7 @@
 
 1. `reference`: float64 reference ÷ float32 native forward + backward, same problem, same process,
    runs interleaved and the fastest of `--repeats` kept for each (a busy machine slows both alike);
-2. `bounds`: the error bounds of the problem's network ÷ its float64 reference (target: ≤ 3×);
+2. `bounds`: the error bounds of the problem's network ÷ its float64 reference (target: ≤ 1×);
 3. `diagnose`: a diagnosis of a float32 command candidate as a user runs it (`precision-lab diagnose
    --candidate FILE.yaml`, default probes, the float64 build when the YAML has one) ÷ the candidate's own
    run (interleaved, fastest of `--repeats` each; target ≤ 2.5×), the CPU seconds it used (the lab and the

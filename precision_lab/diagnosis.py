@@ -129,7 +129,8 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
         bar.update()
         spread = _repeats(candidate, problem, where, trace, result, repeats, bar) if repeats > 1 else None
         main = judge(result, trace, candidate.claimed_precision, candidate.name, fingerprint=fingerprint)
-        judged = judge_probes(candidate, problem, where, chosen, bar=bar, programs=programs)  # while a float64 build may still run
+        # the probes while a float64 build may still run
+        judged = judge_probes(candidate, problem, where, chosen, bar=bar, programs=programs)
         recompiled = None
         if build64 is not None or has_float64_build(candidate, main):
             result64 = _float64_run(candidate, problem, where, build64) if build64 is not None else None
