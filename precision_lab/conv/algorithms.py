@@ -65,6 +65,7 @@ class DirectConv:
 
     name = "direct"
     description = "shift-and-GEMM: nine GEMMs (one per tap) on row blocks flattened with their padding"
+    squares_in_blocks = True  # weight_grad(x, g, squares=True): Σ x²·g², each block squared as it is padded
 
     def __init__(self, chunk_columns: int | None = None):
         self.chunk_columns = chunk_columns

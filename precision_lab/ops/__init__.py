@@ -20,7 +20,6 @@ Every op is one class registered under its spec name. It says, for itself:
 """
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -418,7 +417,7 @@ class Kernels:
         shift-and-GEMM computes it, the same products without two image-sized squares; else squared here."""
         algorithm, general = self._algorithm(attrs)
         if (self.round_operands is None and self.weight_grad_override is None and not general
-                and algorithm is not None and "squares" in inspect.signature(algorithm.weight_grad).parameters):
+                and getattr(algorithm, "squares_in_blocks", False)):
             return algorithm.weight_grad(x, g, squares=True)
         return self.conv_weight_grad(x * x, g * g, attrs, weight_shape)
 
