@@ -200,7 +200,11 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
     out["loss"] = _quantity("loss", loss_parts, u)
 
     pending: dict[int, list[GradField]] = {last: [grad_field]}
+    # no backward rule reads its own output's error: once every reader's backward has run, it is freed (memory at 1024²)
+    readers_left = {i: len(set(r)) for i, r in network.consumers.items()}
     for layer in reversed(layers):
+        for i in set(layer.inputs):
+            readers_left[i] -= 1
         contributions = pending.pop(layer.index, [])
         if not contributions:
             continue
@@ -221,6 +225,9 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
                                       field.radius, field.flip_count, field.owned, field.coupled)
                 pending.setdefault(i, []).append(field)
         fields.pop(layer.index)  # every reader of this output is behind us: free its value and error
+        for i in set(layer.inputs):
+            if i >= 0 and readers_left[i] == 0:
+                fields[i].error = None
         del g, grad, contributions
     return {name: out[name] for name in quantities(network)}
 

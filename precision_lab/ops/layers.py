@@ -273,29 +273,11 @@ class Conv2d(Op):
         return Field(y, total, radius, ins[0].flips)
 
     def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        # the parameters' parts first, the input's error last, reusing their operands' memory (peak at 1024²)
         w = params["weight"]
         w_abs = w.abs()
         g_abs = g.abs()
         flip_points = sparse_points(grad.flips)
-        input_field = None
-        if need[0]:
-            kh, kw = attrs["kernel"]
-            n_input = attrs["out"] // attrs["groups"] * kh * kw
-            shape = tuple(ins[0].value.shape)
-            conv_t = lambda e, wa: ctx.kernels.conv_input_grad(e, wa, attrs, shape)  # noqa: E731
-            reach = torch.mul(g_abs, ctx.gamma(n_input)).add_(grad.error)
-            error = conv_t(reach, w_abs)
-            del reach
-            rounding = ctx.rounding_term(conv_t, g_abs, w)
-            if torch.is_tensor(rounding):
-                error.add_(rounding)
-            flips = None
-            if flip_points is not None:
-                flips = _sparse_input_grad(grad.flips, flip_points, w_abs, attrs, shape)
-            elif has_values(grad.flips):
-                flips = conv_t(grad.flips, w_abs)
-            input_field = GradField(error, flips, gather_radius(grad.radius, self.reach(attrs), attrs["stride"][0]),
-                                    grad.flip_count)
         bias_parts = None
         n_terms = g.shape[0] * g.shape[2] * g.shape[3]
         g_repeats = [roundoff.repeats(g[:, c], n_terms, ctx.precision) for c in range(g.shape[1])]
@@ -307,6 +289,33 @@ class Conv2d(Op):
             parts["weight"].accumulation, parts["weight"].drifted = roundoff.with_drift(parts["weight"].accumulation, drift)
         if bias_parts is not None:
             parts["bias"] = bias_parts
+        input_field = None
+        if need[0]:
+            kh, kw = attrs["kernel"]
+            n_input = attrs["out"] // attrs["groups"] * kh * kw
+            shape = tuple(ins[0].value.shape)
+            conv_t = lambda e, wa: ctx.kernels.conv_input_grad(e, wa, attrs, shape)  # noqa: E731
+            rounding = ctx.rounding_term(conv_t, g_abs, w)
+            # γ̃·|g| + E, formed in |g|'s memory and, where this op owns E, in E's (a + b = b + a, bit for bit)
+            reach = g_abs.mul_(ctx.gamma(n_input))
+            del g_abs
+            if grad.owned:
+                reach, grad.error = grad.error.add_(reach), None  # nobody reads E after: freed with reach
+            else:
+                reach.add_(grad.error)
+            error = conv_t(reach, w_abs)
+            del reach
+            if torch.is_tensor(rounding):
+                error.add_(rounding)
+            flips = None
+            if flip_points is not None:
+                flips = _sparse_input_grad(grad.flips, flip_points, w_abs, attrs, shape)
+            elif has_values(grad.flips):
+                flips = conv_t(grad.flips, w_abs)
+            if grad.owned:
+                grad.flips = None
+            input_field = GradField(error, flips, gather_radius(grad.radius, self.reach(attrs), attrs["stride"][0]),
+                                    grad.flip_count)
         return [input_field], parts
 
     @staticmethod
