@@ -190,9 +190,10 @@ def _own_peak_bytes(process) -> tuple[int, bool]:
 
 
 def _tree_rss_sampler(pid: int, peak: list[float], stop: threading.Event) -> None:
-    """Largest sum of resident memory over `pid` and its descendants (peak[0]) and largest single process's
-    own high-water mark (peak[1]; peak[2] true when the kernel's own mark was read), sampled until `stop`: the
-    candidate's program runs beside the lab's reference, so their peaks may add up."""
+    """Largest sum of resident memory over `pid` and its descendants (peak[0]), largest single process's
+    own high-water mark (peak[1]; peak[2] true when the kernel's own mark was read) and the lab's own, `pid`'s
+    (peak[3]), sampled until `stop`: the candidate's program runs beside the lab's reference, so their peaks may
+    add up."""
     try:
         root = psutil.Process(pid)
     except psutil.Error:
@@ -208,14 +209,17 @@ def _tree_rss_sampler(pid: int, peak: list[float], stop: threading.Event) -> Non
                 total += process.memory_info().rss
                 own, exact = _own_peak_bytes(process)
                 peak[1], peak[2] = max(peak[1], own), peak[2] or exact
+                if process is root:
+                    peak[3] = max(peak[3], own)
         peak[0] = max(peak[0], total)
         stop.wait(MEMORY_SAMPLE_S)
 
 
 def _one_diagnosis(command: list[str]) -> tuple[float, float, float, int, list[str], float]:
     """Wall time, peak memory (GB: largest single process, and the process tree summed) and exit
-    code of one `diagnose` child, its stderr lines, and the CPU seconds of it and the programs it ran."""
-    peak, stop = [0.0, 0.0, False], threading.Event()
+    code of one `diagnose` child, its stderr lines, the CPU seconds of it and the programs it ran, and the
+    lab's own peak (GB, the child's VmHWM; None where it cannot be read)."""
+    peak, stop = [0.0, 0.0, False, 0.0], threading.Event()
     start = time.perf_counter()
     with tempfile.TemporaryFile() as stderr:
         child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
@@ -240,7 +244,8 @@ def _one_diagnosis(command: list[str]) -> tuple[float, float, float, int, list[s
         single_gb = reaped if reaped < inherited or not sampled_single else sampled_single
     # wait4's usage counts the child and every descendant it waited for: the lab and the candidate's programs
     cpu_s = usage.ru_utime + usage.ru_stime
-    return seconds, single_gb, max(single_gb, peak[0] / 2 ** 30), child.returncode, error_lines, cpu_s
+    lab_gb = peak[3] / 2 ** 30 if peak[2] else None
+    return seconds, single_gb, max(single_gb, peak[0] / 2 ** 30), child.returncode, error_lines, cpu_s, lab_gb
 
 
 def diagnosis_cost(candidate: Path, size, batch: int, seed: int, repeats: int = 1, device: str = "cpu") -> dict:
@@ -263,16 +268,16 @@ def diagnosis_cost(candidate: Path, size, batch: int, seed: int, repeats: int = 
     height, width = size if isinstance(size, (tuple, list)) else (size, size)
     command = [sys.executable, "-m", "precision_lab.cli", "diagnose", "--candidate", str(candidate),
                "--size", f"{height}x{width}", "--batch", str(batch), "--seed", str(seed), "--device", str(device)]
-    runner, problem, first_peak = None, None, None
+    runner, problem, first_peak, lab_peak = None, None, None, None
     diagnose_s, own_s, tree_peaks, diagnose_cpu_s, own_cpu_s = [], [], [], [], []
     for _ in range(repeats):
-        seconds, single_gb, tree_gb, returncode, error_lines, cpu_s = _one_diagnosis(command)
+        seconds, single_gb, tree_gb, returncode, error_lines, cpu_s, lab_gb = _one_diagnosis(command)
         if returncode not in (0, 1):
             return {"available": False, "reason": f"diagnose failed (exit {returncode}): {error_lines[-1:] or ''}"}
         diagnose_s.append(seconds)
         diagnose_cpu_s.append(cpu_s)
         if first_peak is None:  # later children start from this process grown by the own runs: exec carries its high-water mark
-            first_peak = single_gb
+            first_peak, lab_peak = single_gb, lab_gb
         tree_peaks.append(tree_gb)
         if runner is None:  # built after the first diagnosis: this process stays small until then
             runner = resolve(str(candidate))
@@ -284,7 +289,7 @@ def diagnosis_cost(candidate: Path, size, batch: int, seed: int, repeats: int = 
     return {"available": True, "candidate": str(candidate), "diagnose_s": min(diagnose_s), "candidate_s": min(own_s),
             "diagnose_cpu_s": min(diagnose_cpu_s), "candidate_cpu_s": min(own_cpu_s), "cores": os.cpu_count(),
             "ratio": min(diagnose_s) / min(own_s), "target": DIAGNOSIS_TARGET, "peak_rss_gb": first_peak,
-            "peak_tree_rss_gb": max(tree_peaks),
+            "peak_tree_rss_gb": max(tree_peaks), "lab_peak_rss_gb": lab_peak,
             "memory_target_gb": DIAGNOSIS_MEMORY_TARGET_GB, "verdict_exit_code": returncode,
             "diagnose_runs_s": diagnose_s, "candidate_runs_s": own_s}
 
@@ -360,10 +365,13 @@ def main(args: argparse.Namespace) -> int:
             print(f"CPU seconds: the diagnosis {cost['diagnose_cpu_s']:.1f} s (the lab and every program it ran), the "
                   f"candidate's own run {cost['candidate_cpu_s']:.1f} s; on {cost['cores']} cores a diagnosis takes at "
                   f"least {cost['diagnose_cpu_s'] / cost['cores']:.1f} s")
-            print(f"diagnosis peak RSS: {cost['peak_rss_gb']:.2f} GB, the largest process "
-                  f"({_met(cost['peak_rss_gb'], DIAGNOSIS_MEMORY_TARGET_GB)} the ≤ {DIAGNOSIS_MEMORY_TARGET_GB:g} GB target); "
-                  f"{cost['peak_tree_rss_gb']:.2f} GB with the candidate's program running beside it "
-                  "(summed RSS: shared library pages counted in each process, an upper bound)")
+            # the target is the lab's own memory: a program's is the candidate's, whatever the lab does
+            lab = cost["lab_peak_rss_gb"]
+            lab_text = "not readable here (no /proc)" if lab is None else \
+                f"{lab:.2f} GB ({_met(lab, DIAGNOSIS_MEMORY_TARGET_GB)} the ≤ {DIAGNOSIS_MEMORY_TARGET_GB:g} GB target)"
+            print(f"diagnosis peak RSS: the lab's own {lab_text}; the largest process {cost['peak_rss_gb']:.2f} GB (a "
+                  f"program's where larger); {cost['peak_tree_rss_gb']:.2f} GB with the candidate's programs running "
+                  "beside it (summed RSS: shared library pages counted in each process, an upper bound)")
     problem = make_problem(size, batch, seed, network=network) if set(parts) - {"diagnose", "algorithms"} else None
     if "reference" in parts:
         ref = reference_ratio(problem, repeats, args.check_stock, device)

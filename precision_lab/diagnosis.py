@@ -124,13 +124,20 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
         chosen = []  # a static bundle holds the answer to its own problem only: nothing to probe
     bar = _bar(1 + len(chosen) + max(0, repeats - 1), progress)
     with _programs(candidate) as programs:
-        beside = has_float64_build(candidate) and where.type == "cpu"  # a GPU may be in exclusive-process mode
-        result, trace, build64 = _run(candidate, problem, where, programs, float64=beside)
+        overlap = where.type == "cpu"  # a GPU may be in exclusive-process mode: one program at a time there
+        beside = has_float64_build(candidate) and overlap
+        probe_problems = [probe_set.probe_problem(probe, problem) for probe in chosen]
+        started = _start(candidate, problem, where, programs, beside) if programs is not None else None
+        # the probes' programs queue behind the problem's: each starts as soon as a program ends
+        queued = [programs.submit(candidate.compute, probe_problem, "float32", where) for probe_problem in probe_problems] \
+            if programs is not None and overlap else None
+        result, trace, build64 = _run(candidate, problem, where, programs, started=started)
         bar.update()
         spread = _repeats(candidate, problem, where, trace, result, repeats, bar) if repeats > 1 else None
         main = judge(result, trace, candidate.claimed_precision, candidate.name, fingerprint=fingerprint)
         # the probes while a float64 build may still run
-        judged = judge_probes(candidate, problem, where, chosen, bar=bar, programs=programs)
+        judged = judge_probes(candidate, problem, where, chosen, bar=bar, programs=programs,
+                              problems=probe_problems, queued=queued)
         recompiled = None
         if build64 is not None or has_float64_build(candidate, main):
             result64 = _float64_run(candidate, problem, where, build64) if build64 is not None else None
@@ -143,17 +150,19 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
 
 
 def judge_probes(candidate: Candidate, problem: Problem, where, probes, bar=None, reference_of=None,
-                 programs=None) -> list:
+                 programs=None, problems=None, queued=None) -> list:
     """(ProbeRun, Judgement) of `candidate` on each probe of `problem`; `reference_of(problem, where)` gives a
     probe's float64 reference (a notebook shares them between candidates), else each is built here (beside the
-    program's run, with `programs` from _programs)."""
+    program's run, with `programs` from _programs; `problems` and `queued`: the probes' problems and their program
+    runs already submitted there)."""
     from .verdict import judge
 
     judged = []
-    for probe in probes:
-        probe_problem = probe_set.probe_problem(probe, problem)
+    for k, probe in enumerate(probes):
+        probe_problem = problems[k] if problems is not None else probe_set.probe_problem(probe, problem)
         if reference_of is None:
-            probe_result, probe_trace, _ = _run(candidate, probe_problem, where, programs)
+            probe_result, probe_trace, _ = _run(candidate, probe_problem, where, programs,
+                                                started=(queued[k], None) if queued is not None else None)
         else:
             probe_result, probe_trace = candidate.compute(probe_problem, "float32", where), reference_of(probe_problem, where)
         judged.append((probe_set.ProbeRun.of(probe, probe_problem),
@@ -193,9 +202,16 @@ def _bar(total: int, enabled: bool):
     return tqdm(total=total, desc="diagnose", unit="problem", disable=not enabled, file=sys.stderr, leave=False)
 
 
-def _run(candidate: Candidate, problem: Problem, where, programs: _Programs | None = None, float64: bool = False):
+def _start(candidate: Candidate, problem: Problem, where, programs: _Programs, float64: bool = False):
+    """A program's run on `problem` submitted to `programs`, and (with `float64`) its float64 build's (else None)."""
+    running = programs.submit(candidate.compute, problem, "float32", where)
+    return running, programs.submit(candidate.compute, problem, "float64", where) if float64 else None
+
+
+def _run(candidate: Candidate, problem: Problem, where, programs: _Programs | None = None, float64: bool = False,
+         started=None):
     """The candidate's run on `problem`, its float64 reference, and (with `float64`, for a program) the float64
-    build's run still in flight (a Future, else None).
+    build's run still in flight (a Future, else None). `started`: the runs _start submitted already.
 
     A program (a command candidate) runs in its own process, its float64 build beside it in another, while this
     one builds the reference and the bounds of both claims (error_bounds caches them on the trace): the programs'
@@ -208,8 +224,7 @@ def _run(candidate: Candidate, problem: Problem, where, programs: _Programs | No
     if programs is None:
         result = candidate.compute(problem, "float32", where)
         return result, reference(problem, where), None
-    running = programs.submit(candidate.compute, problem, "float32", where)
-    build64 = programs.submit(candidate.compute, problem, "float64", where) if float64 else None
+    running, build64 = started if started is not None else _start(candidate, problem, where, programs, float64)
     with programs.threads() as leave:
         leave()
         trace = reference(problem, where)
@@ -254,7 +269,7 @@ class _Programs:
         threads = torch.get_num_threads()
 
         def leave():
-            torch.set_num_threads(max(1, threads - sum(not run.done() for run in self.runs)))
+            torch.set_num_threads(max(1, threads - sum(run.running() for run in self.runs)))
 
         try:
             yield leave
@@ -277,6 +292,7 @@ def _programs(candidate: Candidate):
         try:
             yield _Programs(pool)
         except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)  # the queued runs never start
             program.cancel()
             raise
 

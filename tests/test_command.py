@@ -361,3 +361,56 @@ def test_diagnosis_stopped_during_the_reference_kills_both_builds(folder, proble
         diagnosis_module.diagnose(candidate, problem, "cpu", probes=[])
     assert time.monotonic() - start < 20  # each build sleeps 30 s: both were killed, not waited for
     assert not any(psutil.pid_exists(int(p.read_text())) for p in pids)
+
+
+# A program that leaves a mark as it starts, then answers as the numpy example does.
+MARKING = textwrap.dedent('''
+    import os, sys
+    from pathlib import Path
+    (Path(os.environ["MARK_DIR"]) / f"started-{os.getpid()}").touch()
+    sys.path.insert(0, os.environ["EXAMPLE_DIR"])
+    import candidate
+    candidate.main(sys.argv[1], sys.argv[2])
+''')
+
+
+def test_the_probes_programs_run_while_the_lab_builds_the_problems_reference(folder, problem, monkeypatch):
+    import time
+
+    from precision_lab import diagnosis as diagnosis_module, reference as reference_module
+
+    (folder / "marking.py").write_text(MARKING)
+    candidate = resolve(str(_yaml(folder, "marking", command=["{python}", "marking.py", "{request}", "{response}"],
+                                  env={"EXAMPLE_DIR": str(EXAMPLE.parent), "MARK_DIR": str(folder)})))
+    real, started = reference_module.reference, []
+
+    def watching_reference(asked, where):
+        if asked is problem:  # the problem's own reference: a probe's program starts before it is done
+            deadline = time.monotonic() + 60
+            while len(list(folder.glob("started-*"))) < 2:
+                assert time.monotonic() < deadline, "no probe's program ran beside the problem's reference"
+                time.sleep(0.02)
+            started.append(len(list(folder.glob("started-*"))))
+        return real(asked, where)
+
+    monkeypatch.setattr(reference_module, "reference", watching_reference)
+    diagnosis = diagnosis_module.diagnose(candidate, problem, "cpu")
+    assert diagnosis.verdict == "roundoff" and len(diagnosis.probes) == 3 and started and started[0] >= 2
+    assert len(list(folder.glob("started-*"))) == 4  # the problem and three probes, each run once
+
+
+def test_a_diagnosis_stopped_early_never_starts_the_queued_probes(folder, problem, monkeypatch):
+    from precision_lab import diagnosis as diagnosis_module, reference as reference_module
+
+    (folder / "marking.py").write_text(MARKING)
+    candidate = resolve(str(_yaml(folder, "marking", command=["{python}", "marking.py", "{request}", "{response}"],
+                                  env={"EXAMPLE_DIR": str(EXAMPLE.parent), "MARK_DIR": str(folder)})))
+
+    def interrupted_reference(*_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reference_module, "reference", interrupted_reference)
+    with pytest.raises(KeyboardInterrupt):
+        diagnosis_module.diagnose(candidate, problem, "cpu")
+    # at most the two that had a slot when the Ctrl-C came: the problem's and the first probe's; none after
+    assert len(list(folder.glob("started-*"))) <= 2

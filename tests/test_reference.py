@@ -108,6 +108,8 @@ def test_bench_diagnosis_cost_times_the_numpy_example_and_its_memory():
     assert len(cost["diagnose_runs_s"]) == len(cost["candidate_runs_s"]) == 2
     assert cost["diagnose_s"] == min(cost["diagnose_runs_s"]) and cost["ratio"] > 1  # the lab also imports torch
     assert 0.1 < cost["peak_rss_gb"] <= cost["peak_tree_rss_gb"] < 3  # at least the lab's interpreter with torch
+    # the lab's own mark: torch imported (over 0.1 GB), no more than the largest process's
+    assert 0.1 < cost["lab_peak_rss_gb"] <= cost["peak_rss_gb"]
     # the diagnosis ran the program five times (claimed and float64 builds, three probes) and the lab beside them
     assert cost["diagnose_cpu_s"] > cost["candidate_cpu_s"] > 0 and cost["cores"] >= 1
 
@@ -137,10 +139,10 @@ def test_bench_memory_is_the_diagnosis_own_not_its_parents_high_water_mark():
             "from precision_lab.bench import diagnosis_cost\n"
             "from precision_lab.paths import ROOT\n"
             "c = diagnosis_cost(ROOT / 'examples' / 'python' / 'candidate.yaml', 16, 1, 0)\n"
-            "print(c['peak_rss_gb'], c['peak_tree_rss_gb'])\n")
+            "print(c['peak_rss_gb'], c['peak_tree_rss_gb'], c['lab_peak_rss_gb'])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
-    single, tree = map(float, out.split())
-    assert 0.1 < single <= tree < 1.3, out  # the parent's 1.4 GB is not the diagnosis's
+    single, tree, lab = map(float, out.split())
+    assert 0.1 < lab <= single <= tree < 1.3, out  # the parent's 1.4 GB is not the diagnosis's
 
 
 def test_bench_stages_name_functions_that_run_in_a_diagnosis():
