@@ -51,8 +51,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def one_malloc_arena() -> None:
     """glibc's malloc: one arena for every thread (M_ARENA_MAX = 1). A thread that finds the arena busy gets one of
     its own, up to 8 per core, and what is freed there stays resident: the lab's threads held ~0.2 GB so at 1024²,
-    the bounds' peak 2.19 GB where one arena gives 1.92–1.99 GB at the same speed (docs/results.md, "A diagnosis as
-    a user runs it"). Without glibc's mallopt nothing changes."""
+    the bounds' peak 2.19 GB where one arena gives 1.92–1.99 GB at the same speed (docs/results.md, "The lab's own
+    memory under 2 GB"). Without glibc's mallopt nothing changes."""
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError, TypeError):
