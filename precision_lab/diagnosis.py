@@ -128,9 +128,10 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
         beside = has_float64_build(candidate) and overlap
         probe_problems = [probe_set.probe_problem(probe, problem) for probe in chosen]
         started = _start(candidate, problem, where, programs, beside) if programs is not None else None
-        # the probes' programs queue behind the problem's: each starts as soon as a program ends
+        # the probes' programs queue behind the problem's: each starts as soon as a program ends (with --repeats the
+        # repeated runs come first, so no more than two calls ever run at once)
         queued = [programs.submit(candidate.compute, probe_problem, "float32", where) for probe_problem in probe_problems] \
-            if programs is not None and overlap else None
+            if programs is not None and overlap and repeats == 1 else None
         result, trace, build64 = _run(candidate, problem, where, programs, started=started)
         bar.update()
         spread = _repeats(candidate, problem, where, trace, result, repeats, bar) if repeats > 1 else None

@@ -414,3 +414,14 @@ def test_a_diagnosis_stopped_early_never_starts_the_queued_probes(folder, proble
         diagnosis_module.diagnose(candidate, problem, "cpu")
     # at most the two that had a slot when the Ctrl-C came: the problem's and the first probe's; none after
     assert len(list(folder.glob("started-*"))) <= 2
+
+
+def test_repeats_run_before_the_probes_and_every_call_once(folder, problem):
+    from precision_lab.diagnosis import diagnose
+
+    (folder / "marking.py").write_text(MARKING)
+    candidate = resolve(str(_yaml(folder, "marking", command=["{python}", "marking.py", "{request}", "{response}"],
+                                  env={"EXAMPLE_DIR": str(EXAMPLE.parent), "MARK_DIR": str(folder)})))
+    diagnosis = diagnose(candidate, problem, "cpu", repeats=2)
+    assert diagnosis.verdict == "roundoff" and diagnosis.spread.runs == 2 and len(diagnosis.probes) == 3
+    assert len(list(folder.glob("started-*"))) == 5  # the problem twice, three probes
