@@ -209,13 +209,13 @@ def _tree_rss_sampler(pid: int, peak: list[float], stop: threading.Event) -> Non
                 total += process.memory_info().rss
                 own, exact = _own_peak_bytes(process)
                 peak[1], peak[2] = max(peak[1], own), peak[2] or exact
-                if process is root:
-                    peak[3] = max(peak[3], own)
+                if process is root and exact:
+                    peak[3] = max(peak[3], own)  # the lab's own mark, where the kernel's was read
         peak[0] = max(peak[0], total)
         stop.wait(MEMORY_SAMPLE_S)
 
 
-def _one_diagnosis(command: list[str]) -> tuple[float, float, float, int, list[str], float]:
+def _one_diagnosis(command: list[str]) -> tuple[float, float, float, int, list[str], float, float | None]:
     """Wall time, peak memory (GB: largest single process, and the process tree summed) and exit
     code of one `diagnose` child, its stderr lines, the CPU seconds of it and the programs it ran, and the
     lab's own peak (GB, the child's VmHWM; None where it cannot be read)."""
@@ -244,7 +244,7 @@ def _one_diagnosis(command: list[str]) -> tuple[float, float, float, int, list[s
         single_gb = reaped if reaped < inherited or not sampled_single else sampled_single
     # wait4's usage counts the child and every descendant it waited for: the lab and the candidate's programs
     cpu_s = usage.ru_utime + usage.ru_stime
-    lab_gb = peak[3] / 2 ** 30 if peak[2] else None
+    lab_gb = peak[3] / 2 ** 30 if peak[3] else None
     return seconds, single_gb, max(single_gb, peak[0] / 2 ** 30), child.returncode, error_lines, cpu_s, lab_gb
 
 

@@ -124,14 +124,16 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
         chosen = []  # a static bundle holds the answer to its own problem only: nothing to probe
     bar = _bar(1 + len(chosen) + max(0, repeats - 1), progress)
     with _programs(candidate) as programs:
-        overlap = where.type == "cpu"  # a GPU may be in exclusive-process mode: one program at a time there
-        beside = has_float64_build(candidate) and overlap
-        probe_problems = [probe_set.probe_problem(probe, problem) for probe in chosen]
+        beside = has_float64_build(candidate) and where.type == "cpu"  # a GPU may be in exclusive-process mode
         started = _start(candidate, problem, where, programs, beside) if programs is not None else None
-        # the probes' programs queue behind the problem's: each starts as soon as a program ends (with --repeats the
-        # repeated runs come first, so no more than two calls ever run at once)
-        queued = [programs.submit(candidate.compute, probe_problem, "float32", where) for probe_problem in probe_problems] \
-            if programs is not None and overlap and repeats == 1 else None
+        probe_problems = queued = None
+        if beside and repeats == 1:
+            # a program whose two builds run at once: its probes' calls queue behind them, each starting as a call
+            # ends (never more than two at once; with --repeats the repeated runs come first)
+            probe_problems = [probe_set.probe_problem(probe, problem) for probe in chosen]
+            queued = [programs.submit(candidate.compute, probe_problem, "float32", where)
+                      for probe_problem in probe_problems]
+            started[0].add_done_callback(lambda run: _failed(run) and [call.cancel() for call in queued])
         result, trace, build64 = _run(candidate, problem, where, programs, started=started)
         bar.update()
         spread = _repeats(candidate, problem, where, trace, result, repeats, bar) if repeats > 1 else None
@@ -141,7 +143,7 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
                               problems=probe_problems, queued=queued)
         recompiled = None
         if build64 is not None or has_float64_build(candidate, main):
-            result64 = _float64_run(candidate, problem, where, build64) if build64 is not None else None
+            result64 = _float64_run(candidate, problem, where, programs, build64) if build64 is not None else None
             recompiled = float64_build_evidence(candidate, problem, where, result, trace, result64)
     del trace
     bar.close()
@@ -163,7 +165,8 @@ def judge_probes(candidate: Candidate, problem: Problem, where, probes, bar=None
         probe_problem = problems[k] if problems is not None else probe_set.probe_problem(probe, problem)
         if reference_of is None:
             probe_result, probe_trace, _ = _run(candidate, probe_problem, where, programs,
-                                                started=(queued[k], None) if queued is not None else None)
+                                                started=(queued[k], None) if queued is not None else None,
+                                                beside=queued is not None)
         else:
             probe_result, probe_trace = candidate.compute(probe_problem, "float32", where), reference_of(probe_problem, where)
         judged.append((probe_set.ProbeRun.of(probe, probe_problem),
@@ -210,9 +213,10 @@ def _start(candidate: Candidate, problem: Problem, where, programs: _Programs, f
 
 
 def _run(candidate: Candidate, problem: Problem, where, programs: _Programs | None = None, float64: bool = False,
-         started=None):
+         started=None, beside: bool = False):
     """The candidate's run on `problem`, its float64 reference, and (with `float64`, for a program) the float64
-    build's run still in flight (a Future, else None). `started`: the runs _start submitted already.
+    build's run still in flight (a Future, else None). `started`: the runs _start submitted already; `beside`: the
+    run may have met other calls of the program (a queued probe's), so a failure is retried alone (_Programs.settled).
 
     A program (a command candidate) runs in its own process, its float64 build beside it in another, while this
     one builds the reference and the bounds of both claims (error_bounds caches them on the trace): the programs'
@@ -234,18 +238,19 @@ def _run(candidate: Candidate, problem: Problem, where, programs: _Programs | No
         if build64 is not None:
             leave()
             errmodel.error_bounds(trace, "float64")
+    if beside:
+        return programs.settled(running, lambda: candidate.compute(problem, "float32", where)), trace, build64
     return running.result(), trace, build64
 
 
-def _float64_run(candidate: Candidate, problem: Problem, where, build64) -> Result:
-    """The float64 build's run started beside the claimed one; if it failed there, it runs once more alone
-    (a licence, a lock file or a device the two builds cannot share), and that run's failure is the one reported."""
-    from .candidates import CandidateError
+def _float64_run(candidate: Candidate, problem: Problem, where, programs: _Programs, build64) -> Result:
+    """The float64 build's run started beside the claimed one, retried alone if it failed there (_Programs.settled)."""
+    return programs.settled(build64, lambda: candidate.compute(problem, "float64", where))
 
-    try:
-        return build64.result()
-    except CandidateError:
-        return candidate.compute(problem, "float64", where)
+
+def _failed(run) -> bool:
+    """Whether a call ended in an error (the claimed build's: nothing queued after it should start then)."""
+    return not run.cancelled() and run.exception() is not None
 
 
 class _Programs:
@@ -258,6 +263,22 @@ class _Programs:
         run = self.pool.submit(*call)
         self.runs.append(run)
         return run
+
+    def settled(self, run, again):
+        """`run`'s Result; if it failed while other calls were in flight (a licence, a lock file, a device two calls
+        cannot share), `again()` once more, alone, after every other call has ended: that failure is the one reported."""
+        from concurrent.futures import wait
+
+        from .candidates import CandidateError
+
+        try:
+            return run.result()
+        except CandidateError:
+            others = [other for other in self.runs if other is not run]
+            if not others:
+                raise
+            wait(others)
+            return again()
 
     @contextlib.contextmanager
     def threads(self):

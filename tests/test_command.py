@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from precision_lab import cli
-from precision_lab.candidates import CandidateError, resolve
+from precision_lab.candidates import Candidate, CandidateError, resolve
 from precision_lab.candidates.command import CommandCandidateError, load_command_candidate
 from precision_lab.errors import LabInputError
 from precision_lab.problem import make_problem
@@ -363,15 +363,38 @@ def test_diagnosis_stopped_during_the_reference_kills_both_builds(folder, proble
     assert not any(psutil.pid_exists(int(p.read_text())) for p in pids)
 
 
-# A program that leaves a mark as it starts, then answers as the numpy example does.
+# A program that leaves a mark as it starts, then answers as the numpy example does; its float32 calls (with
+# EXCLUSIVE set) cannot run two at once: each holds a lock while it computes and exits at once if another holds it.
 MARKING = textwrap.dedent('''
-    import os, sys
+    import fcntl, os, sys, time
     from pathlib import Path
-    (Path(os.environ["MARK_DIR"]) / f"started-{os.getpid()}").touch()
+    folder = Path(os.environ["MARK_DIR"])
+    (folder / f"started-{os.environ['PRECISION_LAB_PRECISION']}-{os.getpid()}").touch()
+    if os.environ["PRECISION_LAB_PRECISION"] == "float32" and os.environ.get("FAIL"):
+        sys.exit("the claimed build fails")
+    lock = open(folder / "lock", "w")
+    if os.environ["PRECISION_LAB_PRECISION"] == "float32" and os.environ.get("EXCLUSIVE"):
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            (folder / f"refused-{os.getpid()}").touch()
+            sys.exit("licence busy")
+        time.sleep(0.5)
     sys.path.insert(0, os.environ["EXAMPLE_DIR"])
     import candidate
     candidate.main(sys.argv[1], sys.argv[2])
 ''')
+
+
+def _marking(folder: Path, float64: bool = True, **env) -> Candidate:
+    (folder / "marking.py").write_text(MARKING)
+    argv = ["{python}", "marking.py", "{request}", "{response}"]
+    return resolve(str(_yaml(folder, "marking", command=argv, command_float64=argv if float64 else None,
+                             env={"EXAMPLE_DIR": str(EXAMPLE.parent), "MARK_DIR": str(folder), **env})))
+
+
+def _marks(folder: Path, kind: str = "started-") -> int:
+    return len(list(folder.glob(f"{kind}*")))
 
 
 def test_the_probes_programs_run_while_the_lab_builds_the_problems_reference(folder, problem, monkeypatch):
@@ -379,32 +402,55 @@ def test_the_probes_programs_run_while_the_lab_builds_the_problems_reference(fol
 
     from precision_lab import diagnosis as diagnosis_module, reference as reference_module
 
-    (folder / "marking.py").write_text(MARKING)
-    candidate = resolve(str(_yaml(folder, "marking", command=["{python}", "marking.py", "{request}", "{response}"],
-                                  env={"EXAMPLE_DIR": str(EXAMPLE.parent), "MARK_DIR": str(folder)})))
-    real, started = reference_module.reference, []
+    candidate, real, seen = _marking(folder), reference_module.reference, []
 
     def watching_reference(asked, where):
         if asked is problem:  # the problem's own reference: a probe's program starts before it is done
             deadline = time.monotonic() + 60
-            while len(list(folder.glob("started-*"))) < 2:
+            while _marks(folder, "started-float32") < 2:
                 assert time.monotonic() < deadline, "no probe's program ran beside the problem's reference"
                 time.sleep(0.02)
-            started.append(len(list(folder.glob("started-*"))))
+            seen.append(_marks(folder))
         return real(asked, where)
 
     monkeypatch.setattr(reference_module, "reference", watching_reference)
     diagnosis = diagnosis_module.diagnose(candidate, problem, "cpu")
-    assert diagnosis.verdict == "roundoff" and len(diagnosis.probes) == 3 and started and started[0] >= 2
-    assert len(list(folder.glob("started-*"))) == 4  # the problem and three probes, each run once
+    assert diagnosis.verdict == "roundoff" and len(diagnosis.probes) == 3 and seen and seen[0] >= 3
+    # the problem's two builds and three probes, each run once
+    assert (_marks(folder, "started-float32"), _marks(folder, "started-float64")) == (4, 1)
+
+
+def test_a_probe_refused_beside_another_call_runs_again_alone(folder, problem):
+    from precision_lab.diagnosis import diagnose
+
+    diagnosis = diagnose(_marking(folder, EXCLUSIVE="1"), problem, "cpu")
+    assert _marks(folder, "refused-") >= 1  # a probe met the claimed build (or another probe) holding the licence
+    assert diagnosis.verdict == "roundoff" and len(diagnosis.probes) == 3
+    assert _marks(folder, "started-float32") == 4 + _marks(folder, "refused-")  # each refused call, once more
+
+
+def test_a_program_without_a_float64_build_is_called_once_at_a_time(folder, problem):
+    from precision_lab.diagnosis import diagnose
+
+    diagnosis = diagnose(_marking(folder, float64=False, EXCLUSIVE="1"), problem, "cpu")
+    assert diagnosis.verdict == "roundoff" and len(diagnosis.probes) == 3
+    assert _marks(folder, "refused-") == 0 and _marks(folder, "started-float32") == 4
+
+
+def test_a_failed_claimed_build_starts_no_queued_probe(folder, problem):
+    from precision_lab.diagnosis import diagnose
+
+    with pytest.raises(CandidateError, match="the claimed build fails"):
+        diagnose(_marking(folder, FAIL="1"), problem, "cpu")
+    # the claimed build and the float64 build; a probe may have taken the slot the float64 build left before the
+    # failure was read, none after
+    assert _marks(folder, "started-float32") <= 2
 
 
 def test_a_diagnosis_stopped_early_never_starts_the_queued_probes(folder, problem, monkeypatch):
     from precision_lab import diagnosis as diagnosis_module, reference as reference_module
 
-    (folder / "marking.py").write_text(MARKING)
-    candidate = resolve(str(_yaml(folder, "marking", command=["{python}", "marking.py", "{request}", "{response}"],
-                                  env={"EXAMPLE_DIR": str(EXAMPLE.parent), "MARK_DIR": str(folder)})))
+    candidate = _marking(folder)
 
     def interrupted_reference(*_args):
         raise KeyboardInterrupt
@@ -412,16 +458,13 @@ def test_a_diagnosis_stopped_early_never_starts_the_queued_probes(folder, proble
     monkeypatch.setattr(reference_module, "reference", interrupted_reference)
     with pytest.raises(KeyboardInterrupt):
         diagnosis_module.diagnose(candidate, problem, "cpu")
-    # at most the two that had a slot when the Ctrl-C came: the problem's and the first probe's; none after
-    assert len(list(folder.glob("started-*"))) <= 2
+    assert _marks(folder) <= 2  # the two builds that had a slot when the Ctrl-C came; no probe
 
 
 def test_repeats_run_before_the_probes_and_every_call_once(folder, problem):
     from precision_lab.diagnosis import diagnose
 
-    (folder / "marking.py").write_text(MARKING)
-    candidate = resolve(str(_yaml(folder, "marking", command=["{python}", "marking.py", "{request}", "{response}"],
-                                  env={"EXAMPLE_DIR": str(EXAMPLE.parent), "MARK_DIR": str(folder)})))
-    diagnosis = diagnose(candidate, problem, "cpu", repeats=2)
+    diagnosis = diagnose(_marking(folder), problem, "cpu", repeats=2)
     assert diagnosis.verdict == "roundoff" and diagnosis.spread.runs == 2 and len(diagnosis.probes) == 3
-    assert len(list(folder.glob("started-*"))) == 5  # the problem twice, three probes
+    # the claimed build twice and three probes; the float64 build once
+    assert (_marks(folder, "started-float32"), _marks(folder, "started-float64")) == (5, 1)
