@@ -143,7 +143,8 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
                               problems=probe_problems, queued=queued)
         recompiled = None
         if build64 is not None or has_float64_build(candidate, main):
-            result64 = _float64_run(candidate, problem, where, programs, build64) if build64 is not None else None
+            result64 = None if build64 is None else \
+                programs.settled(build64, lambda: candidate.compute(problem, "float64", where))
             recompiled = float64_build_evidence(candidate, problem, where, result, trace, result64)
     del trace
     bar.close()
@@ -212,10 +213,11 @@ def _start(candidate: Candidate, problem: Problem, where, programs: _Programs, f
     return running, programs.submit(candidate.compute, problem, "float64", where) if float64 else None
 
 
-def _run(candidate: Candidate, problem: Problem, where, programs: _Programs | None = None, float64: bool = False,
-         started=None, beside: bool = False):
-    """The candidate's run on `problem`, its float64 reference, and (with `float64`, for a program) the float64
-    build's run still in flight (a Future, else None). `started`: the runs _start submitted already; `beside`: the
+def _run(candidate: Candidate, problem: Problem, where, programs: _Programs | None = None, started=None,
+         beside: bool = False):
+    """The candidate's run on `problem`, its float64 reference, and the float64 build's run still in flight (a
+    Future, for a program whose `started` runs include one; else None). `started`: the runs _start submitted (else
+    the claimed run is submitted here); `beside`: the
     run may have met other calls of the program (a queued probe's), so a failure is retried alone (_Programs.settled).
 
     A program (a command candidate) runs in its own process, its float64 build beside it in another, while this
@@ -229,7 +231,7 @@ def _run(candidate: Candidate, problem: Problem, where, programs: _Programs | No
     if programs is None:
         result = candidate.compute(problem, "float32", where)
         return result, reference(problem, where), None
-    running, build64 = started if started is not None else _start(candidate, problem, where, programs, float64)
+    running, build64 = started if started is not None else _start(candidate, problem, where, programs)
     with programs.threads() as leave:
         leave()
         trace = reference(problem, where)
@@ -241,11 +243,6 @@ def _run(candidate: Candidate, problem: Problem, where, programs: _Programs | No
     if beside:
         return programs.settled(running, lambda: candidate.compute(problem, "float32", where)), trace, build64
     return running.result(), trace, build64
-
-
-def _float64_run(candidate: Candidate, problem: Problem, where, programs: _Programs, build64) -> Result:
-    """The float64 build's run started beside the claimed one, retried alone if it failed there (_Programs.settled)."""
-    return programs.settled(build64, lambda: candidate.compute(problem, "float64", where))
 
 
 def _failed(run) -> bool:
