@@ -123,13 +123,14 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
     if getattr(candidate, "problem", None) is not None:
         chosen = []  # a static bundle holds the answer to its own problem only: nothing to probe
     bar = _bar(1 + len(chosen) + max(0, repeats - 1), progress)
-    with _programs(candidate) as programs:
-        beside = has_float64_build(candidate) and where.type == "cpu"  # a GPU may be in exclusive-process mode
+    beside = has_float64_build(candidate) and where.type == "cpu"  # a GPU may be in exclusive-process mode
+    with _programs(candidate, calls=2 if beside else 1) as programs:
         started = _start(candidate, problem, where, programs, beside) if programs is not None else None
         probe_problems = queued = None
-        if beside and repeats == 1:
-            # a program whose two builds run at once: its probes' calls queue behind them, each starting as a call
-            # ends (never more than two at once; with --repeats the repeated runs come first)
+        if programs is not None and repeats == 1:
+            # the probes' calls queue behind the problem's build(s), each starting as a call ends, and run while the
+            # lab builds references and bounds: two at once where the two builds run at once, else one after another
+            # (with --repeats the repeated runs come first)
             probe_problems = [probe_set.probe_problem(probe, problem) for probe in chosen]
             queued = [programs.submit(candidate.compute, probe_problem, "float32", where)
                       for probe_problem in probe_problems]
@@ -167,7 +168,7 @@ def judge_probes(candidate: Candidate, problem: Problem, where, probes, bar=None
         if reference_of is None:
             probe_result, probe_trace, _ = _run(candidate, probe_problem, where, programs,
                                                 started=(queued[k], None) if queued is not None else None,
-                                                beside=queued is not None)
+                                                beside=queued is not None and programs.calls > 1)
         else:
             probe_result, probe_trace = candidate.compute(probe_problem, "float32", where), reference_of(probe_problem, where)
         judged.append((probe_set.ProbeRun.of(probe, probe_problem),
@@ -253,8 +254,8 @@ def _failed(run) -> bool:
 class _Programs:
     """A command candidate's calls in flight: threads wait on them (the GIL is released while waiting)."""
 
-    def __init__(self, pool: ThreadPoolExecutor):
-        self.pool, self.runs = pool, []
+    def __init__(self, pool: ThreadPoolExecutor, calls: int):
+        self.pool, self.runs, self.calls = pool, [], calls  # `calls`: how many may run at once
 
     def submit(self, *call):
         run = self.pool.submit(*call)
@@ -297,9 +298,10 @@ class _Programs:
 
 
 @contextlib.contextmanager
-def _programs(candidate: Candidate):
-    """A command candidate's _Programs (None for in-process candidates): anything that stops the diagnosis (Ctrl-C,
-    an error, a failed run) kills every call in flight first, so nothing is left running."""
+def _programs(candidate: Candidate, calls: int = 2):
+    """A command candidate's _Programs (None for in-process candidates), running at most `calls` of its calls at once:
+    anything that stops the diagnosis (Ctrl-C, an error, a failed run) kills every call in flight first, so nothing
+    is left running."""
     from .candidates.command import CommandProgram
 
     program = getattr(candidate.run, "__self__", None)  # a command candidate's run is CommandProgram.run
@@ -307,9 +309,9 @@ def _programs(candidate: Candidate):
         yield None
         return
     program.allow_calls()
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="candidate") as pool:
+    with ThreadPoolExecutor(max_workers=calls, thread_name_prefix="candidate") as pool:
         try:
-            yield _Programs(pool)
+            yield _Programs(pool, calls)
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)  # the queued runs never start
             program.cancel()

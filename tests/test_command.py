@@ -420,6 +420,30 @@ def test_the_probes_programs_run_while_the_lab_builds_the_problems_reference(fol
     assert (_marks(folder, "started-float32"), _marks(folder, "started-float64")) == (4, 1)
 
 
+def test_a_program_without_a_float64_build_runs_its_probes_while_the_lab_works(folder, problem, monkeypatch):
+    import time
+
+    from precision_lab import diagnosis as diagnosis_module, errmodel
+
+    candidate, real, seen = _marking(folder, float64=False, EXCLUSIVE="1"), errmodel.error_bounds, []
+
+    def watching_bounds(trace, precision, *args, **kwargs):
+        if trace.problem is problem and not seen:  # the problem's own bounds: the first probe's call starts meanwhile
+            deadline = time.monotonic() + 60
+            while _marks(folder, "started-float32") < 2:
+                assert time.monotonic() < deadline, "no probe's program ran beside the problem's bounds"
+                time.sleep(0.02)
+            seen.append(_marks(folder, "started-float32"))
+        return real(trace, precision, *args, **kwargs)
+
+    monkeypatch.setattr(errmodel, "error_bounds", watching_bounds)
+    diagnosis = diagnosis_module.diagnose(candidate, problem, "cpu")
+    assert diagnosis.verdict == "roundoff" and len(diagnosis.probes) == 3 and seen and seen[0] >= 2
+    # one call at a time (none refused by the lock), each once
+    assert _marks(folder, "refused-") == 0 and (_marks(folder, "started-float32"), _marks(folder, "started-float64")) \
+        == (4, 0)
+
+
 def test_a_probe_refused_beside_another_call_runs_again_alone(folder, problem):
     from precision_lab.diagnosis import diagnose
 

@@ -245,3 +245,22 @@ def test_a_gradient_two_readers_share_is_never_overwritten_by_either(monkeypatch
     for name in shared:  # the copies sit elsewhere in memory, where BLAS may order a sum otherwise: the evaluation margin
         np.testing.assert_allclose(shared[name].bound, copied[name].bound, rtol=errmodel.EVALUATION_MARGIN - 1,
                                    atol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_relu_masking_is_masked_fill_bit_for_bit(dtype):
+    from precision_lab.ops.pointwise import masked_by
+
+    generator = torch.Generator().manual_seed(3)
+    g = torch.randn(2, 3, 17, 19, generator=generator, dtype=dtype)
+    source = torch.randn(2, 3, 17, 19, generator=generator, dtype=dtype)
+    tiny = torch.finfo(dtype).tiny / 4  # a subnormal, either sign
+    specials = [math.nan, -0.0, 0.0, math.inf, -math.inf, tiny, -tiny]
+    source.view(-1)[:len(specials)] = torch.tensor(specials, dtype=dtype)
+    g.view(-1)[len(specials):len(specials) + 3] = torch.tensor([math.nan, -math.inf, -0.0], dtype=dtype)
+    expected = g.masked_fill(source <= 0, 0.0)
+    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    assert torch.equal(masked_by(g, source).view(bits), expected.view(bits))
+    in_place = g.clone()
+    assert masked_by(in_place, source, out=in_place) is in_place
+    assert torch.equal(in_place.view(bits), expected.view(bits))

@@ -23,7 +23,7 @@ from ..layout import to_layout
 from ..ops import LOSSES, OPS, BackwardReplaced, Kernels, is_seed_conv
 from ..ops.layers import Conv2d
 from ..ops.losses import MSE, CrossEntropy
-from ..ops.pointwise import ReLU
+from ..ops.pointwise import ReLU, masked_by
 from ..ops.routing import Add, UpsampleNearest
 from ..problem import Problem
 from . import Candidate, builtin, register  # noqa: F401 - builtin first: registry() loads only when empty
@@ -442,7 +442,7 @@ class _MaskFromOther:
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
         source = self.store[self.key] if not self.record else xs[0]
-        return [g.masked_fill(source <= 0, 0.0)], {}
+        return [masked_by(g, source)], {}
 
 
 def _mask_wrong_layer(network):

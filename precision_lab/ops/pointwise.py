@@ -32,6 +32,16 @@ STORED_WIDENING = 1.0 + 2.0 * formats.UNIT_ROUNDOFF["float32"]
 FUNCTION_ERROR_UNITS = 8.0
 
 
+def masked_by(g: torch.Tensor, source: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """ReLU's backward: g where source > 0, else 0 (NaN passes), into `out` where given (it may be g). ATen's own
+    threshold_backward: one vectorised pass, bit for bit g.masked_fill(source <= 0, 0), which forms a boolean image
+    and fills it element by element, 10–15× slower at 1024² on a CPU."""
+    source = source if source.dtype == g.dtype else source.to(g.dtype)
+    if out is None:
+        return torch.ops.aten.threshold_backward(g, source, 0)
+    return torch.ops.aten.threshold_backward.grad_input(g, source, 0, grad_input=out)
+
+
 def _near(value: float | None, target: float) -> bool:
     """A decomposition's constant is `target` as exported: equal once both are rounded to float32."""
     return value is not None and np.float32(value) == np.float32(target)
@@ -76,7 +86,7 @@ class BorrowedMaskReLU(UnmaskedReLU):
         self.source = source
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
-        return [g.masked_fill(self.source.to(g.dtype) <= 0, 0.0)], {}
+        return [masked_by(g, self.source)], {}
 
 
 class ReLU(Op):
@@ -118,14 +128,14 @@ class ReLU(Op):
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
         # relu(z) > 0 exactly where z > 0: the mask comes from whichever is still held
-        return [g.masked_fill((y if y is not None else xs[0]) <= 0, 0.0)], {}
+        return [masked_by(g, y if y is not None else xs[0])], {}
 
     def backward_inplace(self, attrs, g, y):
         """The backward writing into g (the float64 reference owns it): no new image-sized tensor."""
-        return g.masked_fill_(y <= 0, 0.0)
+        return masked_by(g, y, out=g)
 
     def derive_input_grad(self, attrs, g_out, x):
-        return g_out.masked_fill(x <= 0, 0.0)
+        return masked_by(g_out, x)
 
     def forward_error(self, attrs, ins, y, params, ctx):
         z, error = ins[0].value, ins[0].error
@@ -147,18 +157,22 @@ class ReLU(Op):
             return [None], {}
         z = ins[0].value
         may_flip, flip_count = out.memo.get("may_flip"), out.memo.get("flip_count", 0)
-        closed = z <= 0  # where the exact gradient is blocked and no flip can open it
-        if flip_count:
+        points = may_flip.nonzero(as_tuple=True) if sparse_enough(flip_count) else None
+        if flip_count and points is None:
+            closed = z <= 0  # where the exact gradient is blocked and no flip can open it
             closed.logical_and_(~may_flip)
-        error = grad.error.masked_fill_(closed, 0.0) if grad.owned else grad.error.masked_fill(closed, 0.0)
-        flips = None
-        if grad.flips is not None:
-            flips = grad.flips.masked_fill_(closed, 0.0) if grad.owned else grad.flips.masked_fill(closed, 0.0)
-        del closed
+            error = grad.error.masked_fill_(closed, 0.0) if grad.owned else grad.error.masked_fill(closed, 0.0)
+            flips = None
+            if grad.flips is not None:
+                flips = grad.flips.masked_fill_(closed, 0.0) if grad.owned else grad.flips.masked_fill(closed, 0.0)
+            del closed
+        else:
+            # blocked where z ≤ 0, then the few points a flip may open given back their errors: the same fields
+            error, flips = (self._blocked(grad.error, z, points, grad.owned),
+                            self._blocked(grad.flips, z, points, grad.owned))
         if flip_count:
             # a flipped ReLU passes or blocks the whole gradient: |h| + its errors, deterministically
-            if sparse_enough(flip_count):
-                points = may_flip.nonzero(as_tuple=True)
+            if points is not None:
                 whole = g[points].abs() + error[points] + (flips[points] if flips is not None else 0.0)
                 flips = torch.zeros_like(error) if flips is None else flips
                 flips.index_put_(points, whole, accumulate=True)
@@ -168,6 +182,15 @@ class ReLU(Op):
                     whole.add_(flips)
                 flips = whole.mul_(may_flip) if flips is None else flips.add_(whole.mul_(may_flip))
         return [GradField(error, flips, grad.radius, grad.flip_count + flip_count)], {}
+
+    @staticmethod
+    def _blocked(field, z, points, owned: bool):
+        """`field` where z > 0, else 0, but kept at `points` (those a flip may open; None: none)."""
+        if field is None:
+            return None
+        kept = field[points] if points is not None else None
+        field = masked_by(field, z, out=field if owned else None)
+        return field if kept is None else field.index_put_(points, kept)
 
 
 class LeakyReLU(ReLU):
