@@ -264,3 +264,16 @@ def test_relu_masking_is_masked_fill_bit_for_bit(dtype):
     in_place = g.clone()
     assert masked_by(in_place, source, out=in_place) is in_place
     assert torch.equal(in_place.view(bits), expected.view(bits))
+
+
+def test_a_relu_bound_computed_slice_by_slice_is_the_whole_images(problem_and_reference, monkeypatch):
+    import precision_lab.ops.pointwise as pointwise
+
+    problem, _ = problem_and_reference
+    monkeypatch.setattr(pointwise, "SLICE_ELEMENTS", 1 << 40)  # one slice: the whole image
+    whole = errmodel.error_bounds(reference(problem), "float32")
+    monkeypatch.setattr(pointwise, "SLICE_ELEMENTS", 1000)  # many slices, the last one short
+    sliced = errmodel.error_bounds(reference(problem), "float32")
+    assert sliced["conv1.weight"].relu_flips == whole["conv1.weight"].relu_flips > 0
+    for name in errmodel.quantities(problem.network):
+        assert np.array_equal(sliced[name].bound, whole[name].bound), name
