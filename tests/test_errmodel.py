@@ -277,3 +277,12 @@ def test_a_relu_bound_computed_slice_by_slice_is_the_whole_images(problem_and_re
     assert sliced["conv1.weight"].relu_flips == whole["conv1.weight"].relu_flips > 0
     for name in errmodel.quantities(problem.network):
         assert np.array_equal(sliced[name].bound, whole[name].bound), name
+
+
+def test_relu_masking_reads_a_wider_source_in_its_own_precision():
+    from precision_lab.ops.pointwise import masked_by
+
+    source = torch.tensor([1e-60, -1e-60, 0.0, 2.0], dtype=torch.float64)  # 1e-60 rounds to 0 in float32
+    g = torch.ones(4)
+    assert masked_by(g, source).tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert masked_by(g, source, out=g).tolist() == [1.0, 0.0, 0.0, 1.0] and g.tolist() == [1.0, 0.0, 0.0, 1.0]
