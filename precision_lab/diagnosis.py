@@ -132,7 +132,7 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
             # lab builds references and bounds: two at once where the two builds run at once, else one after another
             # (with --repeats the repeated runs come first)
             probe_problems = [probe_set.probe_problem(probe, problem) for probe in chosen]
-            queued = [programs.submit(candidate.compute, probe_problem, "float32", where)
+            queued = [programs.submit(_after, started[0], candidate.compute, probe_problem, "float32", where)
                       for probe_problem in probe_problems]
             started[0].add_done_callback(lambda run: _failed(run) and [call.cancel() for call in queued])
         result, trace, build64 = _run(candidate, problem, where, programs, started=started)
@@ -249,6 +249,16 @@ def _run(candidate: Candidate, problem: Problem, where, programs: _Programs | No
 def _failed(run) -> bool:
     """Whether a call ended in an error (the claimed build's: nothing queued after it should start then)."""
     return not run.cancelled() and run.exception() is not None
+
+
+def _after(claimed, call, *args):
+    """A queued probe's call, unless the claimed build has failed already (it may have failed before the callback
+    that cancels the queue was set)."""
+    from .candidates import CandidateError
+
+    if claimed.done() and _failed(claimed):
+        raise CandidateError("not run: the claimed build failed")
+    return call(*args)
 
 
 class _Programs:

@@ -471,6 +471,14 @@ def test_a_failed_claimed_build_starts_no_queued_probe(folder, problem):
     assert _marks(folder, "started-float32") <= 2
 
 
+def test_a_failed_claimed_build_of_a_one_call_program_starts_no_probe(folder, problem):
+    from precision_lab.diagnosis import diagnose
+
+    with pytest.raises(CandidateError, match="the claimed build fails"):
+        diagnose(_marking(folder, float64=False, FAIL="1"), problem, "cpu")
+    assert _marks(folder, "started-float32") == 1  # the probes' calls queued behind it never ran
+
+
 def test_a_diagnosis_stopped_early_never_starts_the_queued_probes(folder, problem, monkeypatch):
     from precision_lab import diagnosis as diagnosis_module, reference as reference_module
 

@@ -247,7 +247,7 @@ def test_a_gradient_two_readers_share_is_never_overwritten_by_either(monkeypatch
                                    atol=0, err_msg=name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_relu_masking_is_masked_fill_bit_for_bit(dtype):
     from precision_lab.ops.pointwise import masked_by
 
@@ -259,7 +259,7 @@ def test_relu_masking_is_masked_fill_bit_for_bit(dtype):
     source.view(-1)[:len(specials)] = torch.tensor(specials, dtype=dtype)
     g.view(-1)[len(specials):len(specials) + 3] = torch.tensor([math.nan, -math.inf, -0.0], dtype=dtype)
     expected = g.masked_fill(source <= 0, 0.0)
-    bits = torch.int32 if dtype == torch.float32 else torch.int64
+    bits = {torch.float32: torch.int32, torch.float64: torch.int64}.get(dtype, torch.int16)
     assert torch.equal(masked_by(g, source).view(bits), expected.view(bits))
     in_place = g.clone()
     assert masked_by(in_place, source, out=in_place) is in_place

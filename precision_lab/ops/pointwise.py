@@ -39,7 +39,9 @@ def masked_by(g: torch.Tensor, source: torch.Tensor, out: torch.Tensor | None = 
     """ReLU's backward: g where source > 0, else 0 (NaN passes), into `out` where given (it may be g). ATen's own
     threshold_backward: one vectorised pass, bit for bit g.masked_fill(source <= 0, 0), which forms a boolean image
     and fills it element by element, 10–15× slower at 1024² on a CPU."""
-    if source.dtype != g.dtype:  # compared in its own precision: a cast could round a tiny z to 0
+    if source.dtype != g.dtype or g.dtype not in (torch.float32, torch.float64):
+        # a wider source is compared in its own precision (a cast could round a tiny z to 0); bfloat16's vectorised
+        # select sets a NaN's sign bit
         closed = source <= 0
         return g.masked_fill(closed, 0.0) if out is None else out.copy_(g).masked_fill_(closed, 0.0)
     if out is None:
@@ -147,10 +149,11 @@ class ReLU(Op):
         if error is None:
             return Field(y, None, ins[0].radius, ins[0].flips, nonnegative=True)
         widened = error.mul_(STORED_WIDENING) if ins[0].consumable else error * STORED_WIDENING
+        widened = widened.contiguous()  # its flat view is written below (an error of any layout)
         may_flip = torch.empty(z.shape, dtype=torch.bool, device=z.device)
         # slice by slice on a CPU: z + E never becomes an image of its own (page faults cost more than the adds)
         z_flat, out_flat, flip_flat = z.reshape(-1), widened.view(-1), may_flip.view(-1)
-        step = SLICE_ELEMENTS if z.device.type == "cpu" else z_flat.numel()
+        step = SLICE_ELEMENTS if z.device.type == "cpu" else max(1, z_flat.numel())
         shifted = torch.empty(min(step, z_flat.numel()), dtype=torch.promote_types(z.dtype, widened.dtype),
                               device=z.device)
         for start in range(0, z_flat.numel(), step):
