@@ -134,7 +134,6 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
             probe_problems = [probe_set.probe_problem(probe, problem) for probe in chosen]
             queued = [programs.submit(_after, started[0], candidate.compute, probe_problem, "float32", where)
                       for probe_problem in probe_problems]
-            started[0].add_done_callback(lambda run: _failed(run) and [call.cancel() for call in queued])
         result, trace, build64 = _run(candidate, problem, where, programs, started=started)
         bar.update()
         spread = _repeats(candidate, problem, where, trace, result, repeats, bar) if repeats > 1 else None
@@ -218,8 +217,8 @@ def _run(candidate: Candidate, problem: Problem, where, programs: _Programs | No
          beside: bool = False):
     """The candidate's run on `problem`, its float64 reference, and the float64 build's run still in flight (a
     Future, for a program whose `started` runs include one; else None). `started`: the runs _start submitted (else
-    the claimed run is submitted here); `beside`: the
-    run may have met other calls of the program (a queued probe's), so a failure is retried alone (_Programs.settled).
+    the claimed run is submitted here); `beside`: the run may have met other calls of the program (a queued probe's),
+    so a failure is retried alone (_Programs.settled).
 
     A program (a command candidate) runs in its own process, its float64 build beside it in another, while this
     one builds the reference and the bounds of both claims (error_bounds caches them on the trace): the programs'
@@ -252,8 +251,7 @@ def _failed(run) -> bool:
 
 
 def _after(claimed, call, *args):
-    """A queued probe's call, unless the claimed build has failed already (it may have failed before the callback
-    that cancels the queue was set)."""
+    """A queued probe's call, unless the claimed build has failed already: then the program is not called."""
     from .candidates import CandidateError
 
     if claimed.done() and _failed(claimed):
