@@ -137,7 +137,8 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
         result, trace, build64 = _run(candidate, problem, where, programs, started=started)
         bar.update()
         spread = _repeats(candidate, problem, where, trace, result, repeats, bar) if repeats > 1 else None
-        main = judge(result, trace, candidate.claimed_precision, candidate.name, fingerprint=fingerprint)
+        with _leaving(programs):
+            main = judge(result, trace, candidate.claimed_precision, candidate.name, fingerprint=fingerprint)
         # the probes while a float64 build may still run
         judged = judge_probes(candidate, problem, where, chosen, bar=bar, programs=programs,
                               problems=probe_problems, queued=queued)
@@ -145,7 +146,8 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
         if build64 is not None or has_float64_build(candidate, main):
             result64 = None if build64 is None else \
                 programs.settled(build64, lambda: candidate.compute(problem, "float64", where))
-            recompiled = float64_build_evidence(candidate, problem, where, result, trace, result64)
+            with _leaving(programs):
+                recompiled = float64_build_evidence(candidate, problem, where, result, trace, result64)
     del trace
     bar.close()
     return decide(main, judged, float64_build=recompiled, spread=spread, probed=bool(chosen) or
@@ -170,8 +172,9 @@ def judge_probes(candidate: Candidate, problem: Problem, where, probes, bar=None
                                                 beside=queued is not None and programs.calls > 1)
         else:
             probe_result, probe_trace = candidate.compute(probe_problem, "float32", where), reference_of(probe_problem, where)
-        judged.append((probe_set.ProbeRun.of(probe, probe_problem),
-                       judge(probe_result, probe_trace, candidate.claimed_precision, candidate.name)))
+        with _leaving(programs):
+            judgement = judge(probe_result, probe_trace, candidate.claimed_precision, candidate.name)
+        judged.append((probe_set.ProbeRun.of(probe, probe_problem), judgement))
         if bar is not None:
             bar.update()
     return judged
@@ -243,6 +246,19 @@ def _run(candidate: Candidate, problem: Problem, where, programs: _Programs | No
     if beside:
         return programs.settled(running, lambda: candidate.compute(problem, "float32", where)), trace, build64
     return running.result(), trace, build64
+
+
+@contextlib.contextmanager
+def _leaving(programs: _Programs | None):
+    """The lab's threads for one stage, leaving a core to each of the program's calls still running: a judgement's
+    fingerprint is many small ops, and a thread waiting at each for a core a program holds made a probe's 40 ms
+    judgement take 1–2 s (docs/results.md)."""
+    if programs is None:
+        yield
+        return
+    with programs.threads() as leave:
+        leave()
+        yield
 
 
 def _failed(run) -> bool:

@@ -444,6 +444,37 @@ def test_a_program_without_a_float64_build_runs_its_probes_while_the_lab_works(f
         == (4, 0)
 
 
+def test_a_probes_judgement_leaves_a_core_to_the_call_running_beside_it(folder, problem, monkeypatch):
+    import torch
+
+    from precision_lab import diagnosis as diagnosis_module, verdict
+
+    programs, real_judge, seen = [], verdict.judge, []
+    real_init = diagnosis_module._Programs.__init__
+
+    def keeping(self, *args):
+        real_init(self, *args)
+        programs.append(self)
+
+    def judging(*args, **kwargs):
+        # the calls running now: the next probe's, queued behind the one just judged
+        seen.append((torch.get_num_threads(), sum(run.running() for run in programs[0].runs)))
+        return real_judge(*args, **kwargs)
+
+    monkeypatch.setattr(diagnosis_module._Programs, "__init__", keeping)
+    monkeypatch.setattr(verdict, "judge", judging)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        diagnosis = diagnosis_module.diagnose(_marking(folder, float64=False, EXCLUSIVE="1"), problem, "cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert diagnosis.verdict == "roundoff" and len(seen) == 4  # the problem and three probes
+    beside = [(lab, running) for lab, running in seen if running]
+    assert beside, "no judgement ran while a probe's call did"
+    assert all(lab == 1 for lab, _ in beside)  # one of the two cores, the other the program's
+
+
 def test_a_probe_refused_beside_another_call_runs_again_alone(folder, problem):
     from precision_lab.diagnosis import diagnose
 
