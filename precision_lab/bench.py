@@ -34,11 +34,13 @@ import time
 from pathlib import Path
 
 import psutil
+import torch
 
 from . import options
 from .compute import forward_backward
 from . import resources
 from .device import resolve_device
+from .diagnosis import has_float64_build
 from .errors import LabInputError
 from .model import ModelSpecError, load_model
 from .paths import ROOT
@@ -268,7 +270,7 @@ def diagnosis_cost(candidate: Path, size, batch: int, seed: int, repeats: int = 
     height, width = size if isinstance(size, (tuple, list)) else (size, size)
     command = [sys.executable, "-m", "precision_lab.cli", "diagnose", "--candidate", str(candidate),
                "--size", f"{height}x{width}", "--batch", str(batch), "--seed", str(seed), "--device", str(device)]
-    runner, problem, first_peak, lab_peak = None, None, None, None
+    runner, problem, first_peak, lab_peak, calls_s = None, None, None, None, {}
     diagnose_s, own_s, tree_peaks, diagnose_cpu_s, own_cpu_s = [], [], [], [], []
     for _ in range(repeats):
         seconds, single_gb, tree_gb, returncode, error_lines, cpu_s, lab_gb = _one_diagnosis(command)
@@ -286,12 +288,36 @@ def diagnosis_cost(candidate: Path, size, batch: int, seed: int, repeats: int = 
         own_s.append(_timed(lambda: runner.compute(problem, "float32", device), device)[0])
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         own_cpu_s.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        for name, (asked, precision) in _calls(runner, problem).items():
+            calls_s.setdefault(name, []).append(_timed(lambda: runner.compute(asked, precision, device), device)[0])
+    calls = {name: min(seconds) for name, seconds in calls_s.items()}
+    floor = _calls_floor(min(own_s), calls, has_float64_build(runner) and torch.device(device).type == "cpu")
     return {"available": True, "candidate": str(candidate), "diagnose_s": min(diagnose_s), "candidate_s": min(own_s),
+            "calls_s": calls, "calls_floor_s": floor, "calls_floor_ratio": floor / min(own_s),
             "diagnose_cpu_s": min(diagnose_cpu_s), "candidate_cpu_s": min(own_cpu_s), "cores": os.cpu_count(),
             "ratio": min(diagnose_s) / min(own_s), "target": DIAGNOSIS_TARGET, "peak_rss_gb": first_peak,
             "peak_tree_rss_gb": max(tree_peaks), "lab_peak_rss_gb": lab_peak,
             "memory_target_gb": DIAGNOSIS_MEMORY_TARGET_GB, "verdict_exit_code": returncode,
             "diagnose_runs_s": diagnose_s, "candidate_runs_s": own_s}
+
+
+def _calls(runner, problem) -> dict:
+    """The program's other calls in a diagnosis of `problem`, by name: (problem, precision) of its float64 build (where
+    it has one) and of each default probe."""
+    from . import probes
+
+    calls = {"float64 build": (problem, "float64")} if has_float64_build(runner) else {}
+    calls.update({probe.name: (probes.probe_problem(probe, problem), "float32") for probe in probes.select("default")})
+    return calls
+
+
+def _calls_floor(own_s: float, calls: dict, two_at_once: bool) -> float:
+    """Seconds the program's own calls take in a diagnosis however fast the lab is: one after another, or (a program
+    with a float64 build on a CPU, precision_lab.diagnosis) two at once, at least the longest and half the sum."""
+    total = own_s + sum(calls.values())
+    if not two_at_once:
+        return total
+    return max(own_s, *calls.values(), total / 2)
 
 
 def diagnosis_stages(problem, device="cpu", name: str = "native") -> dict:
@@ -362,6 +388,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"diagnosis (default probes, float64 build if any) ÷ candidate's own run: {cost['diagnose_s']:.1f} s ÷ "
                   f"{cost['candidate_s']:.1f} s = {cost['ratio']:.2f}× ({_met(cost['ratio'], DIAGNOSIS_TARGET)} the ≤ "
                   f"{DIAGNOSIS_TARGET:g}× target)")
+            calls = " + ".join(f"{name} {seconds:.1f} s" for name, seconds in cost["calls_s"].items())
+            print(f"the program's own calls, each alone: the problem {cost['candidate_s']:.1f} s + {calls}; however fast "
+                  f"the lab, they take {cost['calls_floor_s']:.1f} s = {cost['calls_floor_ratio']:.2f}× in a diagnosis "
+                  "(two at once on a CPU where the program has a float64 build, else one after another)")
             print(f"CPU seconds: the diagnosis {cost['diagnose_cpu_s']:.1f} s (the lab and every program it ran), the "
                   f"candidate's own run {cost['candidate_cpu_s']:.1f} s; on {cost['cores']} cores a diagnosis takes at "
                   f"least {cost['diagnose_cpu_s'] / cost['cores']:.1f} s")

@@ -112,6 +112,20 @@ def test_bench_diagnosis_cost_times_the_numpy_example_and_its_memory():
     assert 0.1 < cost["lab_peak_rss_gb"] <= cost["peak_rss_gb"]
     # the diagnosis ran the program five times (claimed and float64 builds, three probes) and the lab beside them
     assert cost["diagnose_cpu_s"] > cost["candidate_cpu_s"] > 0 and cost["cores"] >= 1
+    # and the bench timed each of those calls alone: two at once, they take at least the longest
+    from precision_lab.probes import select
+
+    assert list(cost["calls_s"]) == ["float64 build"] + [probe.name for probe in select("default")]
+    assert all(seconds > 0 for seconds in cost["calls_s"].values())
+    assert max(cost["candidate_s"], *cost["calls_s"].values()) <= cost["calls_floor_s"] < cost["diagnose_s"]
+
+
+def test_the_calls_floor_is_their_sum_one_at_a_time_and_at_least_half_of_it_two_at_once():
+    from precision_lab.bench import _calls_floor
+
+    assert _calls_floor(3.0, {"probe a": 1.5, "probe b": 2.0}, two_at_once=False) == 6.5
+    assert _calls_floor(3.0, {"float64 build": 4.0, "probe": 1.0}, two_at_once=True) == 4.0  # the longest call
+    assert _calls_floor(2.0, {"float64 build": 2.0, "a": 2.0, "b": 2.0}, two_at_once=True) == 4.0  # two lanes
 
 
 def test_in_place_reference_is_bit_identical_to_the_layer_by_layer_pass():
