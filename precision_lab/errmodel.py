@@ -160,7 +160,8 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, QuantityBound]:
     network = trace.network
     u = formats.unit_roundoff(accumulation_precision(precision))
-    ctx = BoundContext(precision, u, lam, bound_kernels(trace.device))
+    # S of a weight gradient is the same in every claim's bound: the trace's meta keeps it for the next claim's
+    ctx = BoundContext(precision, u, lam, bound_kernels(trace.device), shared=trace.meta.setdefault("shared_sums", {}))
     layers, last = network.layers, len(network.layers) - 1
     params = trace.params
     out: dict[str, QuantityBound] = {}
@@ -176,6 +177,7 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
             field.consumable = i >= 0 and remaining_readers[i] == 1 and not _error_read_backward(network, i)
         y = trace.value(layer.index)
         y = y if layer.index == last else _f32(y)
+        ctx.at_layer(layer.index)
         if layer.index == last and op.parametrised:
             field = op.forward_error(layer.attrs, inputs, y, layer_params(params, layer), ctx, parts=True)
         else:
@@ -212,6 +214,7 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
         grad = _combine(contributions, g, ctx)
         need = [i >= 0 for i in layer.inputs]
         inputs = [fields[i] for i in layer.inputs]
+        ctx.at_layer(~layer.index)  # the backward rule's sums apart from the forward's
         input_grads, parts = OPS[layer.op].backward_error(layer.attrs, g, grad, inputs, fields[layer.index],
                                                           layer_params(params, layer), ctx, need)
         for suffix, part in parts.items():

@@ -286,3 +286,23 @@ def test_relu_masking_reads_a_wider_source_in_its_own_precision():
     g = torch.ones(4)
     assert masked_by(g, source).tolist() == [1.0, 0.0, 0.0, 1.0]
     assert masked_by(g, source, out=g).tolist() == [1.0, 0.0, 0.0, 1.0] and g.tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_a_second_claims_bound_reads_the_weight_sums_the_first_formed():
+    # S = Σ|a|·|g| of a weight gradient is the trace's alone: the float64 claim's bound after the float32 one's reads it
+    problem = make_problem(size=48, batch=2, seed=6)
+    fresh, shared = reference(problem), reference(problem)
+    first = errmodel.error_bounds(shared, "float32")
+    sums = shared.meta["shared_sums"]
+    assert len(sums) >= 2  # the seed network's two 16-channel layers
+    alone = errmodel.error_bounds(fresh, "float64")
+    after = errmodel.error_bounds(shared, "float64")
+    for name in alone:  # the same numbers, bit for bit
+        assert np.array_equal(after[name].bound, alone[name].bound), name
+        assert np.array_equal(after[name].abs_sum, alone[name].abs_sum), name
+    assert np.array_equal(first["conv2.weight"].abs_sum, after["conv2.weight"].abs_sum)
+    # read, not formed anew: a kept sum doubled shows in the next claim's S
+    for kept in sums.values():
+        kept.mul_(2)
+    doubled = errmodel.error_bounds(shared, "tf32")
+    assert np.array_equal(doubled["conv2.weight"].abs_sum, 2 * alone["conv2.weight"].abs_sum)

@@ -137,6 +137,26 @@ class BoundContext:
     u: float  # unit roundoff of the accumulation
     lam: float
     kernels: "Kernels"  # float32 IEEE convolutions for the bounds
+    # sums every claim's bound forms alike (errmodel: one dict per trace), and the layer whose rule runs
+    shared: dict | None = None
+    layer: int | None = None
+    _formed: int = 0
+
+    def at_layer(self, index: int) -> None:
+        """The layer whose error rule runs next (its shared sums are keyed by it)."""
+        self.layer, self._formed = index, 0
+
+    def shared_sum(self, compute) -> torch.Tensor:
+        """compute(), a sum of the trace's own values only (no error, no claim: S = Σ|a|·|g|), formed once per trace
+        and layer and handed to each claim's bound as a copy; the k-th such sum of a layer's rule is the k-th of
+        every claim's, since the rules are the same."""
+        if self.shared is None or self.layer is None:
+            return compute()
+        key = (self.layer, self._formed)
+        self._formed += 1
+        if key not in self.shared:
+            self.shared[key] = compute()
+        return self.shared[key].clone()
 
     def gamma(self, n: int) -> float:
         """γ̃ₙ(λ) at the accumulation's unit roundoff."""

@@ -345,7 +345,7 @@ class Conv2d(Op):
             both = ctx.kernels.conv_weight_grad(a_abs, torch.cat([g_abs, grad.error], dim=1), attrs, doubled)
             abs_sum, deterministic = both[:g_abs.shape[1]], both[g_abs.shape[1]:]
         else:
-            abs_sum, deterministic = wgrad(a_abs, g_abs), wgrad(a_abs, grad.error)
+            abs_sum, deterministic = ctx.shared_sum(lambda: wgrad(a_abs, g_abs)), wgrad(a_abs, grad.error)
         rounding = ctx.rounding_term(wgrad, a_abs, g_abs)
         second_order = 0.0
         if inp.error is not None:
