@@ -40,7 +40,7 @@ from . import options
 from .compute import forward_backward
 from . import resources
 from .device import resolve_device
-from .diagnosis import has_float64_build
+from .diagnosis import calls_at_once, has_float64_build
 from .errors import LabInputError
 from .model import ModelSpecError, load_model
 from .paths import ROOT
@@ -291,7 +291,7 @@ def diagnosis_cost(candidate: Path, size, batch: int, seed: int, repeats: int = 
         for name, (asked, precision) in _calls(runner, problem).items():
             calls_s.setdefault(name, []).append(_timed(lambda: runner.compute(asked, precision, device), device)[0])
     calls = {name: min(seconds) for name, seconds in calls_s.items()}
-    floor = _calls_floor(min(own_s), calls, has_float64_build(runner) and torch.device(device).type == "cpu")
+    floor = _calls_floor(min(own_s), calls, calls_at_once(runner, torch.device(device)) > 1)
     return {"available": True, "candidate": str(candidate), "diagnose_s": min(diagnose_s), "candidate_s": min(own_s),
             "calls_s": calls, "calls_floor_s": floor, "calls_floor_ratio": floor / min(own_s),
             "diagnose_cpu_s": min(diagnose_cpu_s), "candidate_cpu_s": min(own_cpu_s), "cores": os.cpu_count(),
@@ -312,8 +312,8 @@ def _calls(runner, problem) -> dict:
 
 
 def _calls_floor(own_s: float, calls: dict, two_at_once: bool) -> float:
-    """Seconds the program's own calls take in a diagnosis however fast the lab is: one after another, or (a program
-    with a float64 build on a CPU, precision_lab.diagnosis) two at once, at least the longest and half the sum."""
+    """Seconds the program's own calls take in a diagnosis however fast the lab is: one after another, or two at once
+    (diagnosis.calls_at_once), at least the longest and half the sum."""
     total = own_s + sum(calls.values())
     if not two_at_once:
         return total

@@ -123,8 +123,8 @@ def diagnose(candidate: Candidate, problem: Problem, device: str = "auto", probe
     if getattr(candidate, "problem", None) is not None:
         chosen = []  # a static bundle holds the answer to its own problem only: nothing to probe
     bar = _bar(1 + len(chosen) + max(0, repeats - 1), progress)
-    beside = has_float64_build(candidate) and where.type == "cpu"  # a GPU may be in exclusive-process mode
-    with _programs(candidate, calls=2 if beside else 1) as programs:
+    beside = calls_at_once(candidate, where) > 1
+    with _programs(candidate, calls=calls_at_once(candidate, where)) as programs:
         started = _start(candidate, problem, where, programs, beside) if programs is not None else None
         probe_problems = queued = None
         if programs is not None and repeats == 1:
@@ -178,6 +178,12 @@ def judge_probes(candidate: Candidate, problem: Problem, where, probes, bar=None
         if bar is not None:
             bar.update()
     return judged
+
+
+def calls_at_once(candidate: Candidate, where) -> int:
+    """How many of a program's calls a diagnosis runs at once: its two builds together on a CPU, else one at a time
+    (a GPU may be in exclusive-process mode; a program without a float64 build may hold a licence or a lock)."""
+    return 2 if has_float64_build(candidate) and where.type == "cpu" else 1
 
 
 def has_float64_build(candidate: Candidate, judgement: Judgement | None = None) -> bool:
