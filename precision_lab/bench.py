@@ -2,7 +2,8 @@
 
 1. `reference`: float64 reference ÷ float32 native forward + backward, same problem, same process,
    runs interleaved and the fastest of `--repeats` kept for each (a busy machine slows both alike);
-2. `bounds`: the error bounds of the problem's network ÷ its float64 reference (target: ≤ 1×);
+2. `bounds`: the error bounds of the problem's network ÷ its float64 reference (target: ≤ 1×), and the seconds
+   each spends in its convolutions (the bounds' alone ÷ the reference: what the ratio cannot go below);
 3. `diagnose`: a diagnosis of a float32 command candidate as a user runs it (`precision-lab diagnose
    --candidate FILE.yaml`, default probes, the float64 build when the YAML has one) ÷ the candidate's own
    run (interleaved, fastest of `--repeats` each; target ≤ 2.5×), the CPU seconds it used (the lab and the
@@ -96,8 +97,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device="cpu"):
-    gc.collect()
+def _timed(fn, device="cpu", collect: bool = True):
+    if collect:
+        gc.collect()
     _sync(device)
     start = time.perf_counter()
     value = fn()
@@ -128,18 +130,68 @@ def reference_ratio(problem, repeats: int = 3, check_stock: bool = False, device
 
 
 def bounds_ratio(problem, repeats: int = 3, device="cpu") -> dict:
-    """Fastest float64 reference and error bounds of the same problem, and their ratio."""
+    """Fastest float64 reference and error bounds of the same problem, and their ratio; and the seconds each spends
+    in its convolutions (fastest of the same runs), which the bounds cost at least however fast the rest is."""
     from . import errmodel
     from .reference import reference
 
-    reference_s, bounds_s = [], []
+    reference_s, bounds_s, reference_conv, bounds_conv = [], [], [], []
     for _ in range(repeats):
-        seconds, trace = _timed(lambda: reference(problem, device), device)
+        with convolutions_timed(device) as spent:
+            seconds, trace = _timed(lambda: reference(problem, device), device)
         reference_s.append(seconds)
-        bounds_s.append(_timed(lambda: errmodel.error_bounds(trace, "float32"), device)[0])
+        reference_conv.append(spent)
+        with convolutions_timed(device) as spent:
+            bounds_s.append(_timed(lambda: errmodel.error_bounds(trace, "float32"), device)[0])
+        bounds_conv.append(spent)
         del trace
+    floor = min(run["seconds"] for run in bounds_conv)
     return {"reference_s": min(reference_s), "bounds_s": min(bounds_s), "ratio": min(bounds_s) / min(reference_s),
-            "target": BOUNDS_TARGET, "reference_runs_s": reference_s, "bounds_runs_s": bounds_s}
+            "target": BOUNDS_TARGET, "reference_runs_s": reference_s, "bounds_runs_s": bounds_s,
+            "bounds_convolutions_s": floor, "bounds_convolution_calls": bounds_conv[0]["calls"],
+            "reference_convolutions_s": min(run["seconds"] for run in reference_conv),
+            "reference_convolution_calls": reference_conv[0]["calls"],
+            "convolutions_floor_ratio": floor / min(reference_s)}
+
+
+#: the convolutions of ops.Kernels, which the reference and the bounds run through
+CONVOLUTIONS = ("conv_forward", "conv_input_grad", "conv_weight_grad", "conv_weight_grad_of_squares")
+
+
+@contextlib.contextmanager
+def convolutions_timed(device="cpu"):
+    """Yields {"seconds", "calls", "by_kind": {method: [seconds, calls]}}, filled with the time the block spends
+    inside ops.Kernels' convolutions: outermost calls only (a sum of squares may call the weight gradient), each
+    synchronised on a GPU. Kernels' methods are wrapped for the block and restored after it."""
+    from .ops import Kernels
+
+    spent = {"seconds": 0.0, "calls": 0, "by_kind": {name: [0.0, 0] for name in CONVOLUTIONS}}
+    depth = [0]
+    originals = {name: Kernels.__dict__[name] for name in CONVOLUTIONS}
+
+    def timed(name, method):
+        def wrapper(*args, **kwargs):
+            if depth[0]:
+                return method(*args, **kwargs)
+            depth[0] += 1
+            try:
+                seconds, value = _timed(lambda: method(*args, **kwargs), device, collect=False)
+            finally:
+                depth[0] -= 1
+            spent["seconds"] += seconds
+            spent["calls"] += 1
+            spent["by_kind"][name][0] += seconds
+            spent["by_kind"][name][1] += 1
+            return value
+        return wrapper
+
+    for name, method in originals.items():
+        setattr(Kernels, name, timed(name, method))
+    try:
+        yield spent
+    finally:
+        for name, method in originals.items():
+            setattr(Kernels, name, method)
 
 
 def builtin_cost(problem, repeats: int = 3, device="cpu", name: str = "native") -> dict:
@@ -417,6 +469,9 @@ def main(args: argparse.Namespace) -> int:
         figures["bounds"] = cost
         print(f"error bounds ÷ float64 reference: {cost['bounds_s']:.3g} s ÷ {cost['reference_s']:.3g} s = "
               f"{cost['ratio']:.2f}× ({_met(cost['ratio'], BOUNDS_TARGET)} the ≤ {BOUNDS_TARGET:g}× target)")
+        print(f"their convolutions: the bounds' {cost['bounds_convolution_calls']} take {cost['bounds_convolutions_s']:.3g} s "
+              f"= {cost['convolutions_floor_ratio']:.2f}× the reference (its own {cost['reference_convolution_calls']} take "
+              f"{cost['reference_convolutions_s']:.3g} s); however fast the rest of the bounds, they cost at least that")
     if "builtin" in parts:
         cost = builtin_cost(problem, repeats, device)
         figures["builtin"] = cost

@@ -128,6 +128,31 @@ def test_the_calls_floor_is_their_sum_one_at_a_time_and_at_least_half_of_it_two_
     assert _calls_floor(2.0, {"float64 build": 2.0, "a": 2.0, "b": 2.0}, two_at_once=True) == 4.0  # two lanes
 
 
+def test_the_convolutions_timer_counts_outermost_calls_and_puts_the_kernels_back():
+    from precision_lab.bench import convolutions_timed
+
+    original = Kernels.conv_weight_grad
+    attrs = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1, "kernel": (3, 3)}
+    x, g = torch.rand(1, 2, 8, 8), torch.rand(1, 3, 8, 8)
+    with convolutions_timed() as spent:
+        squares = Kernels().conv_weight_grad_of_squares(x, g, attrs, (3, 2, 3, 3))  # PyTorch's: calls conv_weight_grad
+    assert spent["calls"] == 1 and spent["by_kind"]["conv_weight_grad_of_squares"][1] == 1
+    assert spent["by_kind"]["conv_weight_grad"] == [0.0, 0] and 0 < spent["seconds"]
+    assert Kernels.conv_weight_grad is original  # restored
+    assert torch.allclose(squares, torch.nn.grad.conv2d_weight(x * x, (3, 2, 3, 3), g * g, padding=1))
+
+
+def test_bench_bounds_time_their_convolutions_and_the_references():
+    from precision_lab.bench import bounds_ratio
+
+    cost = bounds_ratio(make_problem(24, 1, 0), repeats=2)
+    # the seed network's reference: three forwards, two input gradients (none for the image), three weight gradients
+    assert cost["reference_convolution_calls"] == 8
+    assert cost["bounds_convolution_calls"] > cost["reference_convolution_calls"]
+    assert 0 < cost["bounds_convolutions_s"] <= cost["bounds_s"] and 0 < cost["reference_convolutions_s"] <= cost["reference_s"]
+    assert cost["convolutions_floor_ratio"] == cost["bounds_convolutions_s"] / cost["reference_s"]
+
+
 def test_in_place_reference_is_bit_identical_to_the_layer_by_layer_pass():
     # the in-place version saves memory only: same operations, same order, same bits
     from precision_lab.conv import DirectConv
