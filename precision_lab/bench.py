@@ -146,12 +146,15 @@ def bounds_ratio(problem, repeats: int = 3, device="cpu") -> dict:
         bounds_conv.append(spent)
         del trace
     floor = min(run["seconds"] for run in bounds_conv)
+    fastest = bounds_conv[bounds_s.index(min(bounds_s))], reference_conv[reference_s.index(min(reference_s))]
     return {"reference_s": min(reference_s), "bounds_s": min(bounds_s), "ratio": min(bounds_s) / min(reference_s),
             "target": BOUNDS_TARGET, "reference_runs_s": reference_s, "bounds_runs_s": bounds_s,
             "bounds_convolutions_s": floor, "bounds_convolution_calls": bounds_conv[0]["calls"],
             "reference_convolutions_s": min(run["seconds"] for run in reference_conv),
             "reference_convolution_calls": reference_conv[0]["calls"],
-            "convolutions_floor_ratio": floor / min(reference_s)}
+            "convolutions_floor_ratio": floor / min(reference_s),
+            # [seconds, calls] by Kernels method, in the fastest run of each
+            "bounds_convolutions_by_kind": fastest[0]["by_kind"], "reference_convolutions_by_kind": fastest[1]["by_kind"]}
 
 
 #: the convolutions of ops.Kernels, which the reference and the bounds run through

@@ -151,6 +151,8 @@ def test_bench_bounds_time_their_convolutions_and_the_references():
     assert cost["bounds_convolution_calls"] > cost["reference_convolution_calls"]
     assert 0 < cost["bounds_convolutions_s"] <= cost["bounds_s"] and 0 < cost["reference_convolutions_s"] <= cost["reference_s"]
     assert cost["convolutions_floor_ratio"] == cost["bounds_convolutions_s"] / cost["reference_s"]
+    assert {kind: calls for kind, (_, calls) in cost["reference_convolutions_by_kind"].items()} == {
+        "conv_forward": 3, "conv_input_grad": 2, "conv_weight_grad": 3, "conv_weight_grad_of_squares": 0}
 
 
 def test_in_place_reference_is_bit_identical_to_the_layer_by_layer_pass():
