@@ -105,14 +105,14 @@ def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, stor
     ratio = np.where(unbounded, 0.0, err / np.where(unbounded, 1.0, bound))
     finite = bool(np.all(np.isfinite(got)))
     nonzero = ref != 0
-    norms = float(np.linalg.norm(got)) * float(np.linalg.norm(ref))
+    norms = norm(got) * norm(ref)
     q = QuantityVerdict(
         quantity=name, verdict="roundoff" if finite and float(ratio.max()) <= 1.0 else "defect",
         max_abs_err=float(err.max()), mean_abs_err=float(err.mean()),
         max_rel_err=float((err / np.maximum(np.abs(ref), np.finfo(np.float64).tiny)).max()),
         bound_ratio=float(ratio.max()) if finite else math.inf,
         ulps=max_ulps(got, ref, storage) if finite else math.inf,
-        cosine=float(np.dot(got.ravel(), ref.ravel()) / norms) if norms > 0 and finite else float(np.array_equal(got, ref)),
+        cosine=dot(got, ref) / norms if norms > 0 and finite else float(np.array_equal(got, ref)),
         sign_agreement=float(np.mean(np.sign(got[nonzero]) == np.sign(ref[nonzero]))) if nonzero.any() else 1.0,
         size=int(ref.size), exceeding=int(np.sum(~(ratio <= 1.0))), bound_max=float(bound.max()),
         second_ratio=_second_largest(ratio) if ratio.size > 1 and finite else 0.0)
@@ -127,6 +127,18 @@ def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, stor
     return q
 
 
+def dot(a: np.ndarray, b: np.ndarray) -> float:
+    """Σ a·b over every element, summed in this thread: the same bits on any machine. A BLAS dot splits a long sum
+    across its threads (its last bits then follow the core count) and leaves them spinning for ~0.1 CPU-s after
+    each call, a core taken from the program a diagnosis runs beside it (docs/results.md)."""
+    return float(np.einsum("i,i->", np.ravel(a), np.ravel(b)))
+
+
+def norm(a: np.ndarray) -> float:
+    """‖a‖₂ over every element, summed as `dot` sums."""
+    return math.sqrt(dot(a, a))
+
+
 def _second_largest(values: np.ndarray) -> float:
     """The second largest value (two passes without a copy: np.partition copies and sorts a 16M-weight layer)."""
     flat = values.ravel()
@@ -136,9 +148,9 @@ def _second_largest(values: np.ndarray) -> float:
 
 def bound_fraction(ref: np.ndarray, bound: np.ndarray) -> float:
     """‖bound‖₂ ÷ ‖reference‖₂ (0 for a reference exactly zero: nothing to lose, any error is its own)."""
-    size = float(np.linalg.norm(ref))
+    size = norm(ref)
     with np.errstate(over="ignore"):  # a bound beyond 1e154 squares to inf: its norm is inf, a fraction that certifies nothing
-        return float(np.linalg.norm(bound)) / size if size > 0 else 0.0
+        return norm(bound) / size if size > 0 else 0.0
 
 
 def zero_to_reference_accuracy(ref: np.ndarray, bound: np.ndarray, storage: str = "float32") -> bool:
@@ -150,7 +162,7 @@ def zero_to_reference_accuracy(ref: np.ndarray, bound: np.ndarray, storage: str 
     shift) comes out of float64 as noise of that size: there is no gradient to lose, as for ref = 0."""
     accuracy = formats.unit_roundoff("float64") / formats.unit_roundoff(storage)
     with np.errstate(over="ignore"):
-        return float(np.linalg.norm(ref)) <= accuracy * float(np.linalg.norm(bound))
+        return norm(ref) <= accuracy * norm(bound)
 
 
 def certify(q: QuantityVerdict, ref: np.ndarray, bound: np.ndarray, storage: str = "float32") -> None:

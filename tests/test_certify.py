@@ -459,3 +459,23 @@ def test_a_gradient_zero_by_structure_is_certified_and_a_nonzero_one_there_is_a_
     assert judge(run, trace).quantities["0.bias"].verdict == "defect"
     # a quantity of ordinary size is never zero to the reference's accuracy, however large its bound
     assert not zero_to_reference_accuracy(trace.grads["1.bias"], bound * 1e6)
+
+
+def test_the_comparisons_sums_are_the_same_bits_whatever_the_blas_threads():
+    # a BLAS dot splits a long sum across its threads, so np.dot's last bits follow the core count: compare's do not
+    import os
+    import subprocess
+    import sys
+
+    code = ("import numpy as np; from precision_lab.compare import dot, norm; "
+            "x = np.random.default_rng(0).random(1 << 21) - 0.3; print(repr(dot(x, x[::-1])), repr(norm(x)))")
+    printed = {subprocess.run([sys.executable, "-c", code], env=dict(os.environ, OPENBLAS_NUM_THREADS=threads),
+                              capture_output=True, text=True, check=True).stdout for threads in ("1", "2")}
+    assert len(printed) == 1
+    from precision_lab.compare import dot, norm
+
+    x = np.random.default_rng(0).random(1 << 21) - 0.3
+    products = x * x[::-1]
+    # any order of n terms is within (n − 1)·u·Σ|terms| of the exact sum (Higham 2002, §4.2)
+    assert abs(dot(x, x[::-1]) - math.fsum(products)) <= (x.size - 1) * 2.0 ** -53 * np.abs(products).sum()
+    assert norm(np.array([[3.0, 0.0], [0.0, 4.0]])) == 5.0

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from .. import errmodel, formats
-from ..compare import quantity_arrays
+from ..compare import dot, norm, quantity_arrays
 from ..compute import Result, Trace, forward_backward
 from ..findings import Finding
 from ..ops import Kernels
@@ -187,8 +187,8 @@ def precision(quantities, claimed: str, result: Result, reference: Trace, pairs,
 
 def _correlation(a: np.ndarray, b: np.ndarray) -> float:
     a, b = a.ravel() - a.mean(), b.ravel() - b.mean()
-    norm = float(np.linalg.norm(a) * np.linalg.norm(b))
-    return float(np.dot(a, b) / norm) if norm > 0 else 0.0
+    norms = norm(a) * norm(b)
+    return dot(a, b) / norms if norms > 0 else 0.0
 
 
 def _null_members(reference: Trace) -> dict[str, Result]:

@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..compare import dot
 from ..compute import Trace, forward_backward
 from ..ops import OPS, Kernels
 
@@ -30,8 +31,8 @@ def _constant_factors(reference: Trace, pairs, failing):
     gradient_names = [n for n in failing if n not in ("loss", "output")]
     if not gradient_names:
         return
-    num = sum(float(np.dot(pairs[n][0].ravel(), pairs[n][1].ravel())) for n in gradient_names)
-    den = sum(float(np.dot(pairs[n][1].ravel(), pairs[n][1].ravel())) for n in gradient_names)
+    num = sum(dot(pairs[n][0], pairs[n][1]) for n in gradient_names)
+    den = sum(dot(pairs[n][1], pairs[n][1]) for n in gradient_names)
     if den == 0 or num == 0:
         return  # c = 0 is a gradient never computed: zero_gradients names it
     c = num / den
