@@ -476,6 +476,8 @@ def test_the_comparisons_sums_are_the_same_bits_whatever_the_blas_threads():
 
     x = np.random.default_rng(0).random(1 << 21) - 0.3
     products = x * x[::-1]
-    # any order of n terms is within (n − 1)·u·Σ|terms| of the exact sum (Higham 2002, §4.2)
-    assert abs(dot(x, x[::-1]) - math.fsum(products)) <= (x.size - 1) * 2.0 ** -53 * np.abs(products).sum()
+    # an inner product of n terms in any order is within γₙ·Σ|x·y| of the exact one (Higham 2002, eq. 3.4), and the
+    # rounded products' exact sum (fsum) within u·Σ|x·y| of it: γₙ₊₁ covers both
+    n, u = x.size + 1, 2.0 ** -53
+    assert abs(dot(x, x[::-1]) - math.fsum(products)) <= n * u / (1 - n * u) * np.abs(products).sum()
     assert norm(np.array([[3.0, 0.0], [0.0, 4.0]])) == 5.0
