@@ -1,6 +1,7 @@
 """`device: auto` resolution and a one-line description of where a run happened."""
 from __future__ import annotations
 
+import contextlib
 import platform
 
 import torch
@@ -30,3 +31,18 @@ def describe_device(device: torch.device) -> dict:
         info.update(name=platform.processor() or platform.machine(),
                     mkldnn=torch.backends.mkldnn.is_available())
     return info
+
+
+@contextlib.contextmanager
+def torch_threads(device: torch.device, threads: int):
+    """PyTorch's CPU ops in `threads` threads for the block, then the count as it was (a GPU's ops are left alone):
+    its CPU kernels split their sums by the thread count, so the count decides their last bits."""
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

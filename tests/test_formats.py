@@ -76,3 +76,28 @@ def test_a_format_is_named_only_with_its_level_and_its_pattern_both(small_refere
     assert not any(q.format for q in off_level.quantities.values()), off_level.to_text()
     rows = [row for row in off_level.fingerprint if row["format"] == "bfloat16" and row["correlation"] >= 0.95]
     assert rows and not any(row["conclusive"] for row in rows)  # the pattern is there; the level is not
+
+
+def test_the_fingerprints_float32_runs_have_the_same_bits_whatever_the_labs_threads(small_problem):
+    """A diagnosis lowers the lab's threads while a program runs; the null's members and the emulations must not
+    change with it (PyTorch's CPU kernels split their sums by the thread count: 0.3735940754 against 0.3735940456 of
+    Σ|∂L/∂conv1.weight| at 64², one thread against two, before they took one thread of their own)."""
+    from precision_lab.doctors import formats as fingerprint
+    from precision_lab.reference import reference
+
+    ref = reference(small_problem)
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            ref.meta.pop("null_members", None), ref.meta.pop("emulations", None)
+            members = fingerprint._null_members(ref)
+            emulated = fingerprint.emulate(ref, "bfloat16", "weight_grad")
+            assert torch.get_num_threads() == threads  # the lab's count comes back after
+            runs.append([member.grads for member in members.values()] + [emulated.grads])
+    finally:
+        torch.set_num_threads(before)
+    for first, second in zip(*runs):
+        for name in first:
+            assert np.array_equal(first[name].view(np.int32), second[name].view(np.int32)), name

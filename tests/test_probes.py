@@ -208,9 +208,16 @@ def test_fingerprint_names_tf32_inside_a_float32_bound_that_is_not_sampled():
 def test_fingerprint_null_of_a_tf32_claim_holds_tf32_itself():
     # measured false alarm (benchmarks/sensitivity.py, probe odd-33x47-batch3, seed 36): honest TF32 read as
     # bfloat16 at r = 0.961 with float32 orders alone in the null, since both formats flip the same ReLU
+    import torch
+
+    from precision_lab.device import torch_threads
+    from precision_lab.doctors.formats import FINGERPRINT_THREADS
+
     problem = make_problem((33, 47), 3, seed=36)
     trace = reference(problem)
-    honest = judge(registry()["tf32-claimed"].compute(problem), trace, "tf32", "tf32-claimed", fingerprint=True)
+    with torch_threads(torch.device("cpu"), FINGERPRINT_THREADS):  # the null's own run, to the bit
+        claimed = registry()["tf32-claimed"].compute(problem)
+    honest = judge(claimed, trace, "tf32", "tf32-claimed", fingerprint=True)
     assert honest.verdict == "roundoff" and honest.format is None
     bf16 = [row for row in honest.fingerprint if row["format"] == "bfloat16" and row["quantity"] == "conv2.weight"]
     assert max(row["correlation"] for row in bf16) > 0.9  # the shared flip is still there ...

@@ -10,6 +10,7 @@ import numpy as np
 from .. import errmodel, formats
 from ..compare import dot, norm, quantity_arrays
 from ..compute import Result, Trace, forward_backward
+from ..device import torch_threads
 from ..findings import Finding
 from ..ops import Kernels
 from .budget import recompute_allowed
@@ -50,6 +51,13 @@ FINGERPRINT_Z = 5.0
 #: correlations need this many elements to mean anything
 FINGERPRINT_MIN_ELEMENTS = 16
 
+#: the fingerprint's float32 runs (the null's members and the emulations) take one thread on a CPU: PyTorch's kernels
+#: split their sums by the thread count, so with the cores a diagnosis leaves the lab (fewer while a program runs) the
+#: null's bits, and its correlations, changed from run to run (a small U-Net at 128², seed 3: 0.128 in one run, 0.155
+#: in the next); one thread is the count every machine has. Cost: 1.04 s against 0.57 s on two threads (the seed
+#: network at 2·256², the recompute limit; docs/results.md)
+FINGERPRINT_THREADS = 1
+
 #: passes an emulated format may act in (docs/design.md, "Explaining a verdict")
 PASSES = ("all", "forward", "input_grad", "weight_grad")
 
@@ -65,7 +73,8 @@ def emulate(reference: Trace, precision: str, passes: str = "all") -> Result:
             chosen = Kernels.PASSES if passes == "all" else (passes,)
             kernels = Kernels(round_operands=lambda a: formats.round_to(a, precision), rounded_passes=chosen,
                               name=f"{precision}-emulated")
-        cache[key] = forward_backward(reference.problem, "float32", reference.device, kernels=kernels)
+        with torch_threads(reference.device, FINGERPRINT_THREADS):
+            cache[key] = forward_backward(reference.problem, "float32", reference.device, kernels=kernels)
     return cache[key]
 
 
@@ -199,8 +208,9 @@ def _null_members(reference: Trace) -> dict[str, Result]:
         problem = reference.problem
         cache["layered-native"] = emulate(reference, "float32")
         if not problem.network.couples_batch:  # where samples meet (batch statistics) a micro-batch is another function
-            parts = [forward_backward(problem.with_batch(b, b + 1), "float32", reference.device)
-                     for b in range(problem.batch)]
+            with torch_threads(reference.device, FINGERPRINT_THREADS):
+                parts = [forward_backward(problem.with_batch(b, b + 1), "float32", reference.device)
+                         for b in range(problem.batch)]
             cache["micro-batched"] = _combine_micro_batches(parts, problem)
     return cache
 
