@@ -366,6 +366,20 @@ def test_without_a_float64_build_a_deeper_relu_network_names_a_hidden_layer_slip
 
 
 @pytest.mark.parametrize("seed", [0, 1])
+def test_a_slip_in_the_read_out_bias_of_a_deeper_relu_network_is_named_without_a_float64_build(seed):
+    """A 1% slip in the last layer's bias: its own segment disagrees, and telling the suspects apart scales the read-out
+    layer's group, which no open tensor's group holds; it goes through the centre every scaling segment shares, on the
+    float32 grid (the check stopped with 'internal: point of 'l2.weight' is not representable in float32' before)."""
+    from precision_lab.experiments.gradient_check import FLOAT32_KINDS, slipped
+
+    params, function = FLOAT32_KINDS["relu-mlp"][1]()
+    result = check_gradients(FunctionOracle(slipped(function, "l2.bias"), name="mlp", has_float64=False), params,
+                             seed=seed)
+    assert result.verdict == "defect", result.to_text()
+    assert [t.name for t in result.tensors.values() if t.verdict == "defect"] == ["l2.bias"], result.to_text()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("kind, tensor", [("relu-mlp", "l1.bias"), ("relu-mlp", "l0.bias"), ("relu-conv", "conv.bias")])
 def test_a_bias_gradient_left_at_zero_is_named_alone_without_a_float64_build(kind, tensor, seed):
     """A forgotten bias gradient (all zeros): its part of every scaling segment is 0, so it alone explains their

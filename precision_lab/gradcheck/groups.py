@@ -172,8 +172,10 @@ def check_groups(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluation,
     # the last layers first: fewer nonlinearities after them, so their groups are the likelier to be homogeneous
     # (a GELU before a ReLU breaks the first layer's group, not the second's)
     open_names = [n for n in reversed(segments) if segments[n].outcome == "agree" and segments[n].resolution > SETTLE_RTOL]
-    # every scaling segment goes through one point: each tensor any of them may move, at its centre
-    scaled = {m for n in open_names for g in homogeneous_groups(shapes, n) for m in g}
+    # every scaling segment goes through one point: each tensor any of them may move, at its centre; a disagreeing
+    # group's members are told apart by their own groups (below), which may move a tensor no open name's group holds
+    scaled = {m for n in open_names for g in homogeneous_groups(shapes, n) for k in g
+              for other in homogeneous_groups(shapes, k) for m in other}
     middle = {**base, **{m: scaling_step(base[m], 0.0, storage)[0] for m in scaled}}
     at_middle: list[Evaluation] = [at_base] if all(np.array_equal(middle[m], base[m]) for m in scaled) else []
 
