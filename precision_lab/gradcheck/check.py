@@ -72,7 +72,7 @@ import time
 
 import numpy as np
 
-from .. import formats
+from .. import compare, formats
 from ..errors import LabInputError
 from .builds import COMPARISON_LINES, PERSISTENCE_LIMIT, compare_builds, excess_limit, format_index, implied_format
 from .groups import GROUP_PANELS, Share, check_groups, group_suspects, scale_invariant
@@ -194,7 +194,7 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
                 tensors[name].comparison = compare_builds(
                     name, np.stack([a.grads[name] for a in claimed_answers]),
                     np.stack([a.grads[name] for a in float64_answers]), noise["float64"].grad_sigma[name], claimed,
-                    direction=tensor_steps[name][name] / max(np.linalg.norm(tensor_steps[name][name]), 1e-300))
+                    direction=tensor_steps[name][name] / max(compare.norm(tensor_steps[name][name]), 1e-300))
         for tensor in tensors.values():
             _judge_tensor(tensor, claimed, has_float64)
         # a failing whole-vector direction no tensor explains: find the tensor by halving it
@@ -298,8 +298,8 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
     for name, segment in segments.items():
         # a share sees the gradient only along the tensor's values: the gradient of its zero elements not at all
         zero = base[name] == 0
-        norm = float(np.linalg.norm(at_base.grads[name]))
-        blind = float(np.linalg.norm(at_base.grads[name][zero])) / norm if norm > 0 and zero.any() else 0.0
+        norm = compare.norm(at_base.grads[name])
+        blind = compare.norm(at_base.grads[name][zero]) / norm if norm > 0 and zero.any() else 0.0
         tensor = TensorVerdict(name, base[name].shape, segment=segment, evidence=[segment.evidence()],
                                directions=directions[name], shares=shares[name] if blind <= SETTLE_RTOL else [])
         tensor.evidence += [d.evidence() for d in directions[name]] + [x.evidence() for x in shares[name]]
@@ -322,7 +322,7 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
                 tensor.max_abs_err = abs(d.deciding.error) / d.norm()
                 tensor.bound_ratio = abs(d.deciding.error) / d.deciding.bound if d.deciding.bound > 0 else math.inf
             for group, words in named.get(name, []):
-                reach = float(np.linalg.norm(group.displacement[name]))
+                reach = compare.norm(group.displacement[name])
                 tensor.max_abs_err = abs(group.residual) / (2 * reach) if reach > 0 else math.nan
                 tensor.bound_ratio = abs(group.residual) / group.bound if group.bound > 0 else math.inf
                 tensor.evidence.append(words)
@@ -365,7 +365,7 @@ def _locate_float32_only(calls, checker, tensors, segments, base, scales, storag
             if calls.left < 2:
                 tensor.evidence.append("not located below the tensor: no calls left for short stencils (--max-calls)")
                 continue
-            unit = segment.displacement[tensor.name] / max(float(np.linalg.norm(segment.displacement[tensor.name])), 1e-300)
+            unit = segment.displacement[tensor.name] / max(compare.norm(segment.displacement[tensor.name]), 1e-300)
             direction = checker.direction(f"{tensor.name} along its disagreeing segment (short stencil)",
                                           {tensor.name: tensor_step(base[tensor.name], step * scales[tensor.name], storage,
                                                                     multipliers, rng, unit=unit)})

@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 
+from .. import compare
 from .program import GradCheckError
 
 
@@ -35,7 +36,7 @@ def displaced(base: dict[str, np.ndarray], displacement: dict[str, np.ndarray],
 
 def dot(grads: dict[str, np.ndarray], displacement: dict[str, np.ndarray]) -> float:
     """g·Δ over the tensors the displacement moves."""
-    return float(sum(np.dot(grads[name].ravel(), step.ravel()) for name, step in displacement.items()))
+    return float(sum(compare.dot(grads[name], step) for name, step in displacement.items()))
 
 
 def tensor_scales(base: dict[str, np.ndarray]) -> dict[str, float]:
@@ -46,7 +47,7 @@ def tensor_scales(base: dict[str, np.ndarray]) -> dict[str, float]:
     typical = rms[len(rms) // 2] if rms else 1.0
     scales = {}
     for name, value in base.items():
-        norm = float(np.linalg.norm(value))
+        norm = compare.norm(value)
         scales[name] = norm if norm > 0 else typical * math.sqrt(value.size)
     return scales
 
@@ -66,5 +67,5 @@ def tensor_step(value: np.ndarray, size: float, storage: np.dtype, multipliers, 
 def random_unit(rng: np.random.Generator, shape) -> np.ndarray:
     """A random direction of norm 1 (all zero for an empty shape)."""
     z = rng.standard_normal(shape)
-    norm = float(np.linalg.norm(z))
+    norm = compare.norm(z)
     return z / norm if norm > 0 else z

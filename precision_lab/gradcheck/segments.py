@@ -7,6 +7,7 @@ from typing import Callable
 
 import numpy as np
 
+from .. import compare
 from .noise import ALPHA, SETTLE_RTOL, Noise, t_critical
 from .points import displaced, dot, on_grid, random_unit, tensor_step
 from .program import Calls, Evaluation
@@ -276,7 +277,7 @@ def segment_step(value: np.ndarray, size: float, storage: np.dtype, multipliers,
     identity holds through any point, and every node is exact (one more call, for the centre; with
     `may_move` False, when the budget has no call to spare, the shrunk step from w)."""
     step = on_grid(value, size * unit, storage, multipliers)
-    if np.linalg.norm(step) >= 0.9 * size or not may_move or not np.all(np.isfinite(value)):
+    if compare.norm(step) >= 0.9 * size or not may_move or not np.all(np.isfinite(value)):
         return value, (step if np.any(step) else tensor_step(value, size, storage, multipliers,
                                                              np.random.default_rng(0), unit=unit))
     fractions = [abs(m) for m in multipliers if 0 < abs(m) < 1]
@@ -302,12 +303,12 @@ def half_aligned(grad: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     half its bound); here g·Δ = ‖g‖‖Δ‖/√2 at the base, for every seed. The random half keeps errors orthogonal to
     g visible. The direction is fixed before any call along it, so it does not bias the test."""
     random = random_unit(rng, grad.shape)
-    norm = float(np.linalg.norm(grad))
+    norm = compare.norm(grad)
     if norm == 0 or not np.all(np.isfinite(grad)):
         return random
     along = grad / norm
     across = random - float(np.sum(random * along)) * along
-    across_norm = float(np.linalg.norm(across))
+    across_norm = compare.norm(across)
     if across_norm < 1e-8:  # one element: the gradient's own direction
         return along
     return (along + across / across_norm) / math.sqrt(2.0)
@@ -376,10 +377,10 @@ def check_segments(calls: Calls, base: dict[str, np.ndarray], at_base: Evaluatio
         losses = np.array([answers[float(t)].loss for t in nodes])
         slopes = np.array([dot(answers[float(t)].grads, displacement) for t in nodes])
         growth = float(np.max(np.abs(losses[[0, -1]]))) / abs(at_base.loss) if at_base.loss else 1.0
-        fraction = float(np.linalg.norm(step)) / scales[name]
+        fraction = compare.norm(step) / scales[name]
         segment = Segment(f"{name} along a segment of ±{fraction:.2g}‖{name}‖ at 45° to its gradient", displacement,
                           nodes, losses, slopes, noise.loss_sigma * max(1.0, growth), noise.direction_sigma(displacement), noise.dof,
-                          fraction=fraction, scale_floor=typical * 2 * float(np.linalg.norm(step)), centre=centre)
+                          fraction=fraction, scale_floor=typical * 2 * compare.norm(step), centre=centre)
         if moved:
             segment.label += f" through a point {float(np.max(np.abs(centre - base[name]))):.2g} from w"
         segment.evaluate(critical)
