@@ -1,4 +1,4 @@
-"""`device: auto` resolution and a one-line description of where a run happened."""
+"""`device: auto` resolution, a one-line description of where a run happened, and a block's CPU thread count."""
 from __future__ import annotations
 
 import contextlib
