@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
+from ..device import torch_threads
 from .winograd_matrices import winograd_matrices
 
 KERNEL = 3
@@ -142,11 +143,8 @@ def _run_chunks(work, jobs, device: torch.device) -> list:
     threads = torch.get_num_threads()
     if device.type != "cpu" or threads <= 1 or len(jobs) <= 1:
         return [work(job) for job in jobs]
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(device, 1):
         return list(_pool(threads).map(work, jobs))
-    finally:
-        torch.set_num_threads(threads)
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
