@@ -62,3 +62,11 @@ def test_only_the_asked_subcommand_is_configured():
     assert cli.asked_subcommand(["--help"]) is None
     parser = cli.build_parser(["export", "--help"])
     assert "--candidate" not in parser.format_help()
+
+
+def test_a_diagnosis_with_a_float64_build_loads_no_pandas_or_matplotlib():
+    # the float64 build's evidence (experiment 02's rows) is read without building its table: pandas costs a
+    # diagnosis ~0.3 s of CPU at start-up and nothing it reports needs it
+    answer = _run("diagnose", "--candidate", "examples/python/candidate.yaml", "--size", "16", "--probes", "none")
+    assert answer["code"] == 0, answer
+    assert answer["heavy"] == ["torch"], answer["heavy"]

@@ -12,9 +12,9 @@ log scale, √(u64/u32) ≈ 4.3e-5, equally far (×23 000) from both predictions
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 import torch
 
 from ..candidates import Candidate
@@ -25,6 +25,9 @@ from ..problem import Problem
 from ..tables import format_number
 from ..verdict import judge
 from . import cached_reference, decide_candidate, progress, summary_row
+
+if TYPE_CHECKING:  # pandas is imported where a table is built: a diagnosis reads build_evidence only
+    import pandas as pd
 
 EXPERIMENT = "02-float64-recompilation"
 
@@ -45,6 +48,8 @@ def recompilation_table(problem: Problem, candidates: list[Candidate], device: t
 
     Returns (table, decisions by candidate, notes on candidates without a float64 build).
     """
+    import pandas as pd
+
     ref = cached_reference(problem, device)
     rows, decisions, notes = [], {}, []
     for candidate in progress(candidates, desc="02 float32 + float64 builds", unit="candidate"):
@@ -97,6 +102,8 @@ def _finding(ratio: float, err32: float, err64: float) -> str:
 def summarise(table: pd.DataFrame, decisions: dict) -> pd.DataFrame:
     """One row per candidate: the decision's verdict (an error that persists in float64 is a defect there,
     whatever its size) and the headline for the index."""
+    import pandas as pd
+
     rows = []
     for name, group in table.groupby("candidate", sort=False):
         params = group[group.quantity != "loss"]
