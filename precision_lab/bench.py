@@ -7,7 +7,9 @@
 3. `diagnose`: a diagnosis of a float32 command candidate as a user runs it (`precision-lab diagnose
    --candidate FILE.yaml`, default probes, the float64 build when the YAML has one) ÷ the candidate's own
    run (interleaved, fastest of `--repeats` each; target ≤ 2.5×), the CPU seconds it used (the lab and the
-   programs it ran: on a machine of C cores a diagnosis takes at least CPU ÷ C), and its peak resident
+   programs it ran: on a machine of C cores a diagnosis takes at least CPU ÷ C), its floor (the program's calls
+   timed alone, and the lab's start-up, float64 reference and bounds' convolutions in one thread: what no
+   schedule and no faster elementwise code can go below with this error model), and its peak resident
    memory (the largest process, target ≤ 2 GB; and the lab and its programs together);
 4. `builtin`: an in-process diagnosis of the built-in `native` candidate, seconds beyond the
    candidate's own run (target on a GPU: ≤ 3 s at 1024²), and what the default probes add
@@ -325,7 +327,7 @@ def diagnosis_cost(candidate: Path, size, batch: int, seed: int, repeats: int = 
     height, width = size if isinstance(size, (tuple, list)) else (size, size)
     command = [sys.executable, "-m", "precision_lab.cli", "diagnose", "--candidate", str(candidate),
                "--size", f"{height}x{width}", "--batch", str(batch), "--seed", str(seed), "--device", str(device)]
-    runner, problem, first_peak, lab_peak, calls_s = None, None, None, None, {}
+    runner, problem, first_peak, lab_peak, calls_s, calls_cpu_s = None, None, None, None, {}, {}
     diagnose_s, own_s, tree_peaks, diagnose_cpu_s, own_cpu_s = [], [], [], [], []
     for _ in range(repeats):
         seconds, single_gb, tree_gb, returncode, error_lines, cpu_s, lab_gb = _one_diagnosis(command)
@@ -344,11 +346,20 @@ def diagnosis_cost(candidate: Path, size, batch: int, seed: int, repeats: int = 
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         own_cpu_s.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
         for name, (asked, precision) in _calls(runner, problem).items():
-            calls_s.setdefault(name, []).append(_timed(lambda: runner.compute(asked, precision, device), device)[0])
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            seconds = _timed(lambda: runner.compute(asked, precision, device), device)[0]
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            calls_s.setdefault(name, []).append(seconds)
+            calls_cpu_s.setdefault(name, []).append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
     calls = {name: min(seconds) for name, seconds in calls_s.items()}
     floor = _calls_floor(min(own_s), calls, calls_at_once(runner, torch.device(device)) > 1)
+    # a call needs at least its wall time alone of one core, and no more than its CPU seconds (threads may spin)
+    calls_core_s = min(min(own_s), min(own_cpu_s)) + sum(min(calls[name], min(calls_cpu_s[name])) for name in calls)
+    lab = lab_floor(candidate, runner, problem, size, batch, seed, device)
+    with_lab = max(floor, (calls_core_s + lab["cpu_s"]) / os.cpu_count())
     return {"available": True, "candidate": str(candidate), "diagnose_s": min(diagnose_s), "candidate_s": min(own_s),
             "calls_s": calls, "calls_floor_s": floor, "calls_floor_ratio": floor / min(own_s),
+            "calls_core_s": calls_core_s, "lab_floor": lab, "floor_s": with_lab, "floor_ratio": with_lab / min(own_s),
             "diagnose_cpu_s": min(diagnose_cpu_s), "candidate_cpu_s": min(own_cpu_s), "cores": os.cpu_count(),
             "ratio": min(diagnose_s) / min(own_s), "target": DIAGNOSIS_TARGET, "peak_rss_gb": first_peak,
             "peak_tree_rss_gb": max(tree_peaks), "lab_peak_rss_gb": lab_peak,
@@ -373,6 +384,41 @@ def _calls_floor(own_s: float, calls: dict, two_at_once: bool) -> float:
     if not two_at_once:
         return total
     return max(own_s, *calls.values(), total / 2)
+
+
+def lab_floor(candidate: Path, runner, problem, size, batch: int, seed: int, device="cpu") -> dict:
+    """CPU seconds of the lab's work that any diagnosis of `problem` by `runner` does with this error model, each in
+    one thread (threads only add to the CPU seconds): its start-up (imports and the problem, in a fresh interpreter),
+    the float64 reference, and the convolutions of the bounds of each claim it judges (the claimed precision, and
+    float64 where the program has a float64 build; S shared by the two, as in a diagnosis). Everything else the lab
+    does (elementwise passes, probes, judgements) comes on top."""
+    from . import errmodel
+    from .device import torch_threads
+    from .reference import reference
+
+    height, width = size if isinstance(size, (tuple, list)) else (size, size)
+    start_up = ("import precision_lab.diagnosis, precision_lab.verdict, precision_lab.decision\n"
+                "from precision_lab.candidates import resolve\nfrom precision_lab.problem import make_problem\n"
+                f"make_problem(({height}, {width}), {batch}, {seed}, network=resolve({str(candidate)!r}).network)")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([sys.executable, "-c", start_up], check=True, stdout=subprocess.DEVNULL)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start_up_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    claims = [runner.claimed_precision] + (["float64"] if has_float64_build(runner) else [])
+    where = torch.device(device)
+    with torch_threads(where, 1):
+        gc.collect()
+        cpu = time.process_time()
+        trace = reference(problem, where)
+        reference_s = time.process_time() - cpu
+        convolutions = {}
+        for claim in claims:
+            with convolutions_timed(where) as spent:
+                errmodel.error_bounds(trace, claim)
+            convolutions[claim] = spent["seconds"]
+    del trace
+    return {"start_up_s": start_up_s, "reference_s": reference_s, "bounds_convolutions_s": convolutions,
+            "cpu_s": start_up_s + reference_s + sum(convolutions.values())}
 
 
 def diagnosis_stages(problem, device="cpu", name: str = "native") -> dict:
@@ -447,6 +493,12 @@ def main(args: argparse.Namespace) -> int:
             print(f"the program's own calls, each alone: the problem {cost['candidate_s']:.1f} s + {calls}; however fast "
                   f"the lab, they take {cost['calls_floor_s']:.1f} s = {cost['calls_floor_ratio']:.2f}× in a diagnosis "
                   "(two at once on a CPU where the program has a float64 build, else one after another)")
+            lab = cost["lab_floor"]
+            bounds = " + ".join(f"{seconds:.1f} s ({claim})" for claim, seconds in lab["bounds_convolutions_s"].items())
+            print(f"the lab's floor, one thread: start-up {lab['start_up_s']:.1f} s + float64 reference "
+                  f"{lab['reference_s']:.1f} s + the bounds' convolutions {bounds} = {lab['cpu_s']:.1f} CPU-s; with the "
+                  f"program's calls ({cost['calls_core_s']:.1f} core-s) on {cost['cores']} cores no diagnosis with this "
+                  f"error model takes under {cost['floor_s']:.1f} s = {cost['floor_ratio']:.2f}× the candidate's run")
             print(f"CPU seconds: the diagnosis {cost['diagnose_cpu_s']:.1f} s (the lab and every program it ran), the "
                   f"candidate's own run {cost['candidate_cpu_s']:.1f} s; on {cost['cores']} cores a diagnosis takes at "
                   f"least {cost['diagnose_cpu_s'] / cost['cores']:.1f} s")

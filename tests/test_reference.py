@@ -118,6 +118,12 @@ def test_bench_diagnosis_cost_times_the_numpy_example_and_its_memory():
     assert list(cost["calls_s"]) == ["float64 build"] + [probe.name for probe in select("default")]
     assert all(seconds > 0 for seconds in cost["calls_s"].values())
     assert max(cost["candidate_s"], *cost["calls_s"].values()) <= cost["calls_floor_s"] < cost["diagnose_s"]
+    # the lab's floor: a fresh interpreter imports torch (over 0.2 s of CPU), and both claims' bounds are counted
+    lab = cost["lab_floor"]
+    assert lab["start_up_s"] > 0.2 and lab["reference_s"] > 0
+    assert list(lab["bounds_convolutions_s"]) == ["float32", "float64"]
+    assert all(seconds > 0 for seconds in lab["bounds_convolutions_s"].values())
+    assert cost["floor_s"] >= max(cost["calls_floor_s"], (cost["calls_core_s"] + lab["cpu_s"]) / cost["cores"])
 
 
 def test_the_calls_floor_is_their_sum_one_at_a_time_and_at_least_half_of_it_two_at_once():
