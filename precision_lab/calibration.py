@@ -41,7 +41,7 @@ def judge_zoo(problem: Problem, device: str | torch.device = "cpu", names: list[
         judgement = decide(judge(candidate.compute(problem, "float32", device), trace, candidate.claimed_precision,
                                  candidate.name, **judge_options), probed=False).judgement()
         detail = judgement.layout_fix or judgement.format
-        correct = judgement.verdict == candidate.expected and (candidate.expected_detail is None or (
+        correct = candidate.accepts(judgement.verdict) and (candidate.expected_detail is None or (
             detail is not None and same_reading(candidate.expected_detail, detail, weight_shapes)))
         rows.append({"candidate": candidate.name, "family": candidate.family, "expected": candidate.expected,
                      "expected_detail": candidate.expected_detail, "verdict": judgement.verdict, "detail": detail,

@@ -9,9 +9,10 @@ within the bound, else `defect`); the doctors (precision_lab.doctors) may then e
 Within the bound certifies rounding only where the bound is well below the quantity itself: a
 bound as large as the tensor would accept a zeroed, halved or sign-flipped gradient (cosine 0
 next to `roundoff`). A quantity within a bound whose 2-norm exceeds CERTIFIABLE_FRACTION of the
-reference's 2-norm is `inconclusive`, with what would settle it. This applies to float32 and
-float64 claims; a reduced-format claim (tf32, bf16, fp16) is not certified this way yet: its bound
-exceeds the seed network's first-layer gradients themselves (docs/verdicts.md, "Certifiable bounds").
+reference's 2-norm is `inconclusive`, with what would settle it. This applies to every claim: a
+reduced-format claim's (tf32, bf16, fp16) worst-case operand bound exceeds the seed network's first-layer
+gradients themselves, so it is `inconclusive` there, and a sign-flipped gradient is never `roundoff`
+(docs/verdicts.md, "Certifiable bounds").
 """
 from __future__ import annotations
 
@@ -96,8 +97,8 @@ def same_size(got, ref, name: str, who: str = "the candidate") -> np.ndarray:
     return got.reshape(ref.shape)  # a buffer of the right size: the layout doctor reads its order
 
 
-def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, storage: str = "float32",
-            certifying: bool = True) -> QuantityVerdict:
+def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, storage: str = "float32"
+            ) -> QuantityVerdict:
     """Every evidence number of one quantity; the verdict is provisional (roundoff iff within bound)."""
     err = np.abs(got - ref)
     # an element the error model cannot bound (a reduced format's worst case through normalisations) is no evidence
@@ -122,7 +123,7 @@ def measure(name: str, got: np.ndarray, ref: np.ndarray, bound: np.ndarray, stor
         q.verdict = "inconclusive"
         q.evidence = (f"the error model gives no finite bound at {int(unbounded.sum())} of {q.size} elements (its worst "
                       f"case leaves no relative accuracy there): neither rounding nor a defect is shown")
-    elif q.verdict == "roundoff" and certifying:
+    elif q.verdict == "roundoff":
         certify(q, ref, bound, storage)
     return q
 
@@ -201,14 +202,13 @@ def max_ulps(got: np.ndarray, ref: np.ndarray, storage: str) -> float:
     return float(np.max(formats.ulp_distance(got - ref + magnitude, magnitude, storage)))
 
 
-def compare(result: Result, reference: Trace, bounds: dict, storage: str,
-            certifying: bool = True) -> dict[str, QuantityVerdict]:
-    """Every quantity of `result` measured against the reference and its bound (`certifying`: see certify)."""
+def compare(result: Result, reference: Trace, bounds: dict, storage: str) -> dict[str, QuantityVerdict]:
+    """Every quantity of `result` measured against the reference and its bound (certified as `certify` says)."""
     out = {}
     for name, (got, ref) in quantity_arrays(result, reference).items():
-        q = measure(name, got, ref, bounds[name].bound, storage, certifying)
+        q = measure(name, got, ref, bounds[name].bound, storage)
         q.n_terms, q.relu_flips = bounds[name].n, bounds[name].relu_flips
-        if q.verdict == "roundoff" and certifying and bounds[name].drifted is not None:
+        if q.verdict == "roundoff" and bounds[name].drifted is not None:
             certify_repeated(q, ref, bounds[name].bound, bounds[name].drifted)
         out[name] = q
     return out

@@ -130,7 +130,7 @@ def judge(result: Result, reference: Trace, claimed_precision: str = "float32", 
     formats.unit_roundoff(claimed_precision)  # unknown precision → ValueError naming the choices
     storage = formats.STORAGE_DTYPE[claimed_precision]
     bounds = errmodel.error_bounds(reference, claimed_precision)
-    quantities = compare(result, reference, bounds, storage, claimed_precision not in formats.REDUCED_FORMATS)
+    quantities = compare(result, reference, bounds, storage)
     judgement = Judgement(candidate or result.meta.get("candidate", ""), claimed_precision, "roundoff", quantities,
                           model=_model_summary(reference, claimed_precision),
                           problem=reference.problem.describe() if reference.problem is not None else {})

@@ -68,8 +68,8 @@ def test_every_experiment_reaches_diagnoses_verdict_on_every_zoo_candidate(netwo
     disagree = {}
     for candidate in candidates:
         expected = diagnose(candidate, problem, "cpu").verdict
-        if candidate.family == "legitimate":
-            assert expected == "roundoff", f"{candidate.name} on {network_name}: diagnose says {expected}"
+        if candidate.family == "legitimate":  # roundoff; an honest TF32 claim may be inconclusive (Candidate.accepts)
+            assert candidate.accepts(expected), f"{candidate.name} on {network_name}: diagnose says {expected}"
         if candidate.family == "defect":
             assert expected != "roundoff", f"{candidate.name} on {network_name}: a defect called rounding"
         said = experiments[candidate.name]

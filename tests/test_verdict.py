@@ -96,8 +96,21 @@ def test_reduced_precision_needs_the_forward_output_to_show_it(case):
     # tf32 gradients behind an exact float32 output: a coarser format would act there too
     mixed = _copy(result, **{name: tf32.grads[name] for name in PARAM_NAMES})
     assert verdict.judge(mixed, trace, "float32").verdict == "defect"
-    # claimed as tf32 it is roundoff
-    assert verdict.judge(tf32, trace, "tf32").verdict == "roundoff"
+    # claimed as tf32 it is within its bound everywhere, but that bound exceeds half of some gradients: not certified
+    claimed = verdict.judge(tf32, trace, "tf32")
+    assert claimed.verdict == "inconclusive"
+    assert all(q.bound_ratio <= 1 for q in claimed.quantities.values())
+
+
+def test_a_reduced_format_claim_never_certifies_a_sign_flipped_gradient(case):
+    # every gradient negated (gradient ascent) sits inside a bfloat16 bound several times the gradients themselves:
+    # within the bound is not rounding unless the bound is below half the quantity (compare.CERTIFIABLE_FRACTION)
+    problem, trace, _ = case
+    bf16 = registry()["bf16-emulated"].compute(problem)
+    flipped = _copy(bf16, **{name: -bf16.grads[name] for name in PARAM_NAMES})
+    judged = verdict.judge(flipped, trace, "bfloat16")
+    assert judged.verdict != "roundoff"
+    assert all(judged.quantities[name].verdict != "roundoff" for name in PARAM_NAMES)
 
 
 def test_result_without_output_is_judged_on_gradients(case):

@@ -77,6 +77,15 @@ class Candidate:
     def supports(self, device: str | torch.device) -> bool:
         return torch.device(device).type in self.devices
 
+    def accepts(self, verdict: str) -> bool:
+        """Whether `verdict` is right for this zoo candidate: its expected one, or `inconclusive` for an honest
+        reduced-format claim, whose worst-case operand bound may exceed half a gradient and then certifies nothing
+        (compare.certify) — never a defect, layout or format."""
+        from ..formats import REDUCED_FORMATS
+
+        return verdict == self.expected or (verdict == "inconclusive" and self.family == "legitimate"
+                                            and self.claimed_precision in REDUCED_FORMATS)
+
     def applies_to(self, network) -> bool:
         """Whether this candidate has a meaning for `network` (a slip needs the layer it slips in)."""
         if self.network is not None and self.network.spec != network.spec:
