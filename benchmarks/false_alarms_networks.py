@@ -48,7 +48,7 @@ def main() -> None:
         if unknown:
             parser.error(f"not a legitimate candidate that applies to {args.spec}: {', '.join(unknown)}")
         candidates = [c for c in candidates if c.name in wanted]
-    alarms = {c.name: 0 for c in candidates}
+    alarms, by_name = {c.name: 0 for c in candidates}, {c.name: c for c in candidates}
     worst_ratio, worst_fraction, start = 0.0, 0.0, time.time()
     for seed in range(args.first, args.first + args.seeds):
         main = make_problem(args.size, args.batch, seed, network=network)
@@ -71,7 +71,7 @@ def main() -> None:
             decided = decide(judgements[0], [(probe_set.ProbeRun.of(p, problem), j) for p, problem, j
                                              in zip(probe_set.DEFAULT_PROBES, problems[1:], judgements[1:])])
             for problem, (_, judgement) in zip(problems, decided.problems()):
-                if not registry()[name].accepts(judgement.verdict):  # an honest TF32 claim may be inconclusive
+                if not by_name[name].accepts(judgement.verdict):  # an honest TF32 claim may be inconclusive
                     alarms[name] += 1
                     print(f"seed {seed} {problem.size_text} {name}: {judgement.headline()}", flush=True)
         print(f"seed {seed} done: non-roundoff so far {sum(alarms.values())}, largest error ÷ bound {worst_ratio:.3g}",

@@ -341,21 +341,18 @@ def diagnosis_cost(candidate: Path, size, batch: int, seed: int, repeats: int = 
         if runner is None:  # built after the first diagnosis: this process stays small until then
             runner = resolve(str(candidate))
             problem = make_problem(size, batch, seed, network=runner.network)
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        own_s.append(_timed(lambda: runner.compute(problem, "float32", device), device)[0])
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        own_cpu_s.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        (seconds, _), cpu_s = _children_cpu(lambda: _timed(lambda: runner.compute(problem, "float32", device), device))
+        own_s.append(seconds)
+        own_cpu_s.append(cpu_s)
         for name, (asked, precision) in _calls(runner, problem).items():
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            seconds = _timed(lambda: runner.compute(asked, precision, device), device)[0]
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            (seconds, _), cpu_s = _children_cpu(lambda: _timed(lambda: runner.compute(asked, precision, device), device))
             calls_s.setdefault(name, []).append(seconds)
-            calls_cpu_s.setdefault(name, []).append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+            calls_cpu_s.setdefault(name, []).append(cpu_s)
     calls = {name: min(seconds) for name, seconds in calls_s.items()}
     floor = _calls_floor(min(own_s), calls, calls_at_once(runner, torch.device(device)) > 1)
     # a call needs at least its wall time alone of one core, and no more than its CPU seconds (threads may spin)
     calls_core_s = min(min(own_s), min(own_cpu_s)) + sum(min(calls[name], min(calls_cpu_s[name])) for name in calls)
-    lab = lab_floor(candidate, runner, problem, size, batch, seed, device)
+    lab = lab_floor(candidate, runner, problem, device)
     with_lab = max(floor, (calls_core_s + lab["cpu_s"]) / os.cpu_count())
     return {"available": True, "candidate": str(candidate), "diagnose_s": min(diagnose_s), "candidate_s": min(own_s),
             "calls_s": calls, "calls_floor_s": floor, "calls_floor_ratio": floor / min(own_s),
@@ -386,7 +383,15 @@ def _calls_floor(own_s: float, calls: dict, two_at_once: bool) -> float:
     return max(own_s, *calls.values(), total / 2)
 
 
-def lab_floor(candidate: Path, runner, problem, size, batch: int, seed: int, device="cpu") -> dict:
+def _children_cpu(fn):
+    """fn()'s value and the CPU seconds of the child processes it waited for (a program's calls)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    value = fn()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return value, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def lab_floor(candidate: Path, runner, problem, device="cpu") -> dict:
     """CPU seconds of the lab's work that any diagnosis of `problem` by `runner` does with this error model, each in
     one thread (threads only add to the CPU seconds): its start-up (imports and the problem, in a fresh interpreter),
     the float64 reference, and the convolutions of the bounds of each claim it judges (the claimed precision, and
@@ -396,14 +401,12 @@ def lab_floor(candidate: Path, runner, problem, size, batch: int, seed: int, dev
     from .device import torch_threads
     from .reference import reference
 
-    height, width = size if isinstance(size, (tuple, list)) else (size, size)
     start_up = ("import precision_lab.diagnosis, precision_lab.verdict, precision_lab.decision\n"
                 "from precision_lab.candidates import resolve\nfrom precision_lab.problem import make_problem\n"
-                f"make_problem(({height}, {width}), {batch}, {seed}, network=resolve({str(candidate)!r}).network)")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run([sys.executable, "-c", start_up], check=True, stdout=subprocess.DEVNULL)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start_up_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+                f"make_problem(({problem.height}, {problem.width}), {problem.batch}, {problem.seed}, "
+                f"network=resolve({str(candidate)!r}).network)")
+    _, start_up_s = _children_cpu(lambda: subprocess.run([sys.executable, "-c", start_up], check=True,
+                                                         stdout=subprocess.DEVNULL))
     claims = [runner.claimed_precision] + (["float64"] if has_float64_build(runner) else [])
     where = torch.device(device)
     with torch_threads(where, 1):
