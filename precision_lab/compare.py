@@ -166,6 +166,13 @@ def zero_to_reference_accuracy(ref: np.ndarray, bound: np.ndarray, storage: str 
         return norm(ref) <= accuracy * norm(bound)
 
 
+def reference_accuracy(bound: np.ndarray, storage: str = "float32") -> float:
+    """The largest error the float64 reference itself may carry where the claimed bound is `bound`: its largest
+    element at u₆₄ instead of u (first order in u, zero_to_reference_accuracy). A candidate's error no larger is the
+    reference's as much as the candidate's: no build, float32 or float64, can show it vanishing or persisting."""
+    return float(np.max(bound)) * formats.unit_roundoff("float64") / formats.unit_roundoff(storage)
+
+
 def certify(q: QuantityVerdict, ref: np.ndarray, bound: np.ndarray, storage: str = "float32") -> None:
     """A quantity within its bound stays `roundoff` only if the bound is below CERTIFIABLE_FRACTION of it, or the
     quantity is zero to the reference's own accuracy (zero_to_reference_accuracy)."""

@@ -41,6 +41,10 @@ SETTLED = "not certifiable by its bound on this problem; "
 # evidence beyond one problem's comparisons, as numbers
 
 
+#: experiment 02's finding for an error no larger than the float64 reference's own (compare.reference_accuracy)
+REFERENCE_ACCURACY = "within the reference's accuracy"
+
+
 @dataclass(frozen=True)
 class Float64Build:
     """The candidate's float64 build on the requested problem (experiment 02): per quantity err32, err64, their
@@ -318,13 +322,18 @@ class Diagnosis:
         build = self.float64_build
         if build is None:
             return None
+        # NaN: err32 = 0; an error within the reference's own accuracy has no ratio to read
         ratios = [(row["ratio"], name) for name, row in build.quantities.items()
-                  if row.get("ratio") is not None and row["ratio"] == row["ratio"]]  # NaN: err32 = 0
+                  if row.get("ratio") is not None and row["ratio"] == row["ratio"]
+                  and row["finding"] != REFERENCE_ACCURACY]
         largest = max(ratios, default=None)
+        at_accuracy = [name for name, row in build.quantities.items() if row["finding"] == REFERENCE_ACCURACY]
         return ((f"{build.verdict} against the float64 reference; " if build.verdict else "")
                 + "largest err64 ÷ err32 " + (f"{largest[0]:.2g} ({largest[1]})" if largest else "n/a")
                 + f" (rounding predicts {build.expected_ratio:.2g}, a defect ≈ 1): "
-                + (f"the error persists in {', '.join(build.persists)}" if build.persists else "the error vanishes"))
+                + (f"the error persists in {', '.join(build.persists)}" if build.persists else "the error vanishes")
+                + (f"; {', '.join(at_accuracy)}: within the float64 reference's own accuracy (zero by structure)"
+                   if at_accuracy else ""))
 
     def probe_rows(self) -> list[dict]:
         """One row per probe: what ran (size, batch, seed, targets), its verdict, what names it, its worst quantity."""

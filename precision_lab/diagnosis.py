@@ -207,7 +207,8 @@ def float64_build_evidence(candidate: Candidate, problem: Problem, where, result
     if result64 is None:
         result64 = candidate.compute(problem, "float64", where)
     judgement64 = judge(result64, trace, "float64", candidate.name, fingerprint=False, hypotheses=False)
-    return build_evidence(result32, result64, trace, problem.network.parameter_names, judgement64.verdict)
+    return build_evidence(result32, result64, trace, problem.network.parameter_names, judgement64.verdict,
+                          candidate.claimed_precision)
 
 
 def _bar(total: int, enabled: bool):

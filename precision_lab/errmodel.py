@@ -13,9 +13,10 @@ float64 reference trace (precision_lab.compute.Trace) through the network:
   error of its inputs' gradients; where a tensor feeds several layers (skip connections), the
   gradients it receives are summed and that sum's rounding is added.
 
-On problems small enough (precision_lab.sampled.ELEMENT_LIMIT) the upstream part of every bound is
-also measured by sampled propagation (precision_lab.sampled: K float64 runs with each rounding drawn
-at its scale, through the signed weights) and the smaller of the two is kept (`_tighten`).
+On problems small enough (precision_lab.sampled.ELEMENT_LIMIT) the upstream part of every bound (of a
+reduced-format claim: the loss's and the output's) is also measured by sampled propagation
+(precision_lab.sampled: K float64 runs with each rounding drawn at its scale, through the signed weights)
+and the smaller of the two is kept (`_tighten`).
 
 Bounds are evaluated in float32 from the reference's float32-rounded intermediates (memory and
 speed at 1024²): the float32 evaluation of a sum of non-negative terms is within γ̃ₙ(λ) ≤ 7e-4
@@ -130,19 +131,26 @@ def error_bounds(trace: Trace, precision: str = "float32", lam: float = LAMBDA) 
         with torch.no_grad(), _ieee(trace.device):
             bounds = _error_bounds(trace, precision, lam)
             if sampled.applies(trace, precision):
-                _tighten(bounds, sampled.upstream_bounds(trace, precision, lam), formats.unit_roundoff(
-                    accumulation_precision(precision)))
+                upstream = sampled.upstream_bounds(trace, precision, lam)
+                if precision in formats.REDUCED_FORMATS:
+                    # a reduced format's errors flip ReLUs often enough that a flip's jump in the backward (a whole
+                    # gradient element passed or blocked) is too rare in K runs to estimate: its gradients keep |W|·E;
+                    # the forward only moves continuously with its inputs (docs/error-model.md)
+                    upstream = {name: upstream[name] for name in sampled.FORWARD_QUANTITIES}
+                _tighten(bounds, upstream, formats.unit_roundoff(accumulation_precision(precision)))
             cache[(precision, lam)] = bounds
     return cache[(precision, lam)]
 
 
 def _tighten(bounds: dict[str, QuantityBound], upstream: dict[str, np.ndarray], u: float) -> None:
-    """Every quantity's propagated part replaced by the sampled one (precision_lab.sampled) where smaller.
+    """Each quantity of `upstream` gets its propagated part replaced by the sampled one (precision_lab.sampled) where
+    smaller.
 
     The output's sampled deviations include its own last rounding (every layer's output is drawn), so its
     accumulation is not added again; a gradient's and the loss's own rounding stay errmodel's γ̃ₙ·S."""
-    for name, q in bounds.items():
-        up = upstream[name].reshape(q.bound.shape)
+    for name, up in upstream.items():
+        q = bounds[name]
+        up = up.reshape(q.bound.shape)
         own = q.input_rounding if name == "output" else q.accumulation + q.input_rounding
         floor = max(u * float(np.max(q.abs_sum)), np.finfo(np.float32).tiny)
         candidate = np.maximum((own + up) * EVALUATION_MARGIN, floor)

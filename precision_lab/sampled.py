@@ -24,6 +24,13 @@ it away:
   V̂ = mean Δₖ², P(|error| > c·√V̂) ≤ E[2·exp(−c²V̂/2V)] = 2·(1 + c²/K)^(−K/2) (the moment generating
   function of a χ²_K variable): 1.1·10⁻⁶ per element at K = 16, c = 9 (SAMPLES, FACTOR).
 
+A reduced format's operand rounding is drawn on the operands themselves (`SampledOp`): an op's float inputs and the
+parameters it names (`Op.rounded_params`) get t + r(t)·ξ once per run, read by its forward and backward alike, as
+the candidate reads the same rounded value in both; |δ| ≤ r(t) makes that rounding sub-Gaussian with proxy r(t)²
+(Hoeffding's lemma), so the argument above holds for it. errmodel keeps those runs for the loss and the output only
+(FORWARD_QUANTITIES): the forward is continuous in every draw, while a ReLU a reduced format flips passes or blocks a
+whole gradient element, a jump too rare in K runs to estimate (docs/error-model.md, "Normalisation").
+
 A rounding shared by a group of elements (a normalisation's mean, its variance) is one draw per group
 (`ops.SharedDraw`) reaching each element through its signed coefficient, so its effects add coherently as they do.
 Each op draws its own scales (`Op.sampled_forward_scale`, `Op.sampled_backward_scales`, and the loss's
@@ -52,6 +59,9 @@ FACTOR = 9.0
 #: 128² gets its batch-3 probe at 128² too); K float64 runs of the seed network at 2·64² take 4 s on 2 busy
 #: CPU cores, at 2·256² 31 s; above it errmodel's bound stands alone (the seed scale's figures are errmodel's)
 ELEMENT_LIMIT = 4 * 128 * 128
+#: the quantities the forward alone computes: continuous in every rounding the runs draw (a flipped ReLU or a switched
+#: max-pool moves its output by at most the error that flipped it), so K runs estimate them for any claim
+FORWARD_QUANTITIES = ("loss", "output")
 
 
 def failure_probability(samples: int = SAMPLES, factor: float = FACTOR) -> float:
@@ -60,9 +70,12 @@ def failure_probability(samples: int = SAMPLES, factor: float = FACTOR) -> float
 
 
 def applies(trace, precision: str) -> bool:
-    """Sampled where the claim is float32 or float64 (reduced formats keep errmodel's operand model) and small."""
+    """Sampled where the problem is small; for a reduced format only where every rounded operand is an op's input or
+    parameter (an attention block rounds intermediates of its own: errmodel's operand model stands there)."""
     problem = trace.problem
-    if problem is None or precision in formats.REDUCED_FORMATS:
+    if problem is None:
+        return False
+    if precision in formats.REDUCED_FORMATS and any(OPS[layer.op].rounds_inside for layer in problem.network.layers):
         return False
     return problem.batch * problem.height * problem.width <= ELEMENT_LIMIT
 
@@ -89,19 +102,42 @@ class SampledOp:
     derive_input_grad = None
     backward_inplace = None
 
-    def __init__(self, op, draw, u: float, lam: float):
+    def __init__(self, op, draw, u: float, lam: float, precision: str = "float32"):
         self.op, self.draw, self.u, self.lam = op, draw, u, lam
         # the scales of the first run, kept: the runs differ from each other by rounding only (second order)
         self.scale, self.scales = False, None
+        # a reduced format rounds this op's operands: drawn on them, once per run (_rounded_operands)
+        self.operands = precision if precision in formats.REDUCED_FORMATS and op.rounded_params is not None else None
+        self.run_operands = None
+
+    def _rounded(self, t: torch.Tensor) -> torch.Tensor:
+        """t plus a draw of its rounding to the claimed format: σ = r(t) = u_f·|t| + η_f/2 per element
+        (roundoff.operand_rounding), at least the rounding error's range, so a sub-Gaussian proxy of it."""
+        if not t.is_floating_point():
+            return t
+        return t + roundoff.operand_rounding(t, self.operands) * self.draw(t)
+
+    def _rounded_operands(self, xs, params):
+        """This run's rounded inputs and parameters: one draw per operand element, read by the forward and by the
+        backward of the same run, as the candidate reads the same rounded value in both (its effect on this op's own
+        parameter gradients is then counted twice, here and in errmodel's own part: conservative)."""
+        rounded = {k: self._rounded(v) if k in self.op.rounded_params else v for k, v in params.items()}
+        self.run_operands = ([self._rounded(x) for x in xs], rounded)
+        return self.run_operands
 
     def forward(self, attrs, xs, params, kernels):
-        y = self.op.forward(attrs, xs, params, kernels)
+        rounded_xs, rounded_params = self._rounded_operands(xs, params) if self.operands is not None else (xs, params)
+        y = self.op.forward(attrs, rounded_xs, rounded_params, kernels)
         if self.scale is False:
             self.scale = self.forward_scale(attrs, xs, y, params, kernels)
         return y if self.scale is None else y + drawn(self.scale, y, self.draw)
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
-        grads, param_grads = self.op.backward(attrs, g, xs, y, params, kernels, need)
+        if self.operands is not None:
+            (rounded_xs, rounded_params), rounded_g = self.run_operands, self._rounded(g)
+            grads, param_grads = self.op.backward(attrs, rounded_g, rounded_xs, y, rounded_params, kernels, need)
+        else:
+            grads, param_grads = self.op.backward(attrs, g, xs, y, params, kernels, need)
         if self.scales is None:
             self.scales = self.backward_scales(attrs, g, xs, y, params, kernels, need, grads)
         scales = self.scales
@@ -146,7 +182,7 @@ def deviations(trace, precision: str, lam: float, samples: int = SAMPLES):
         # beside the margin c = FACTOR
         return torch.randn(like.shape, generator=generator, device="cpu", dtype=torch.float32).to(like.device, like.dtype)
 
-    rules = {layer.index: SampledOp(OPS[layer.op], draw, u, lam) for layer in network.layers}
+    rules = {layer.index: SampledOp(OPS[layer.op], draw, u, lam, precision) for layer in network.layers}
     rules["loss"] = SampledLoss(LOSSES[network.loss], draw, u)
     out = {name: [] for name in ("loss", "output") + network.parameter_names}
     reference_values = {"loss": np.asarray(trace.loss, np.float64), "output": np.asarray(trace.output, np.float64)}
@@ -165,4 +201,4 @@ def upstream_bounds(trace, precision: str, lam: float) -> dict[str, np.ndarray]:
     return {name: FACTOR * np.sqrt(np.mean(d * d, axis=0)) for name, d in deviations(trace, precision, lam).items()}
 
 
-__all__ = ["ELEMENT_LIMIT", "FACTOR", "SAMPLES", "applies", "deviations", "failure_probability", "upstream_bounds"]
+__all__ = ["ELEMENT_LIMIT", "FACTOR", "FORWARD_QUANTITIES", "SAMPLES", "applies", "deviations", "failure_probability", "upstream_bounds"]

@@ -136,7 +136,7 @@ def judge(result: Result, reference: Trace, claimed_precision: str = "float32", 
                           problem=reference.problem.describe() if reference.problem is not None else {})
     pairs = quantity_arrays(result, reference)
     # each doctor reads the verdicts the findings before it give (a view, never edited) and returns its own findings
-    found = doctors.zero_gradients(quantities, pairs)
+    found = doctors.zero_gradients(quantities, pairs, bounds, storage)
     found += doctors.layouts(findings.apply(quantities, found), result, reference, pairs, bounds)
     found += doctors.precision(findings.apply(quantities, found), claimed_precision, result, reference, pairs, bounds,
                                fingerprint)

@@ -109,7 +109,7 @@ def test_sampled_propagation_makes_the_classifier_bound_certifiable(tf_lenet):
     from precision_lab.compare import bound_fraction
 
     network, problem, trace, result = tf_lenet
-    assert sampled.applies(trace, "float32") and not sampled.applies(trace, "tf32")
+    assert sampled.applies(trace, "float32") and sampled.applies(trace, "tf32")
     bounds = errmodel.error_bounds(trace, "float32")
     for name in ("conv1.weight", "conv1.bias", "conv2.weight"):  # |W|·E: 3.2×, 4.7×, 0.27× the quantity
         assert bound_fraction(np.asarray(trace.grads[name], np.float64), bounds[name].bound) < 0.05, name
@@ -121,6 +121,77 @@ def test_sampled_propagation_makes_the_classifier_bound_certifiable(tf_lenet):
         if name != "loss":
             ref = trace.output if name == "output" else trace.grads[name]
             assert np.max(np.abs(np.asarray(got[name], np.float64) - ref) / bound.bound) <= 1.0, name
+
+
+@pytest.mark.parametrize("fmt", ["tf32", "bfloat16"])
+def test_a_reduced_format_claims_forward_is_sampled_and_its_gradients_are_not(fmt):
+    """A reduced format's operand rounding drawn on the operands (precision_lab.sampled): the seed CNN's output bound
+    for a TF32 claim was 0.64× the output at 61×67 under |W|·E, which certifies nothing; sampled, it is a few percent
+    and the emulated build stays inside. Its gradients keep |W|·E (a flipped ReLU's jump, docs/error-model.md)."""
+    from precision_lab import sampled
+    from precision_lab.candidates.builtin import emulated
+    from precision_lab.compare import bound_fraction
+
+    problem = make_problem((61, 67), 2, 0)
+    trace = reference(problem)
+    assert sampled.applies(trace, fmt)
+    bounds = errmodel.error_bounds(trace, fmt)
+    unsampled = errmodel._error_bounds(trace, fmt, errmodel.LAMBDA)  # |W|·E alone
+    output = np.asarray(trace.output, np.float64)
+    assert bounds["output"].sampled > 0 and bounds["loss"].sampled > 0
+    assert bound_fraction(output, unsampled["output"].bound) > CERTIFIABLE_FRACTION
+    assert bound_fraction(output, bounds["output"].bound) < 0.1 * bound_fraction(output, unsampled["output"].bound)
+    for name in problem.network.parameter_names:
+        assert bounds[name].sampled == 0 and np.array_equal(bounds[name].bound, unsampled[name].bound), name
+    result = emulated(fmt)(problem, "float32", trace.device)
+    assert np.max(np.abs(np.asarray(result.output, np.float64) - output) / bounds["output"].bound) <= 1.0
+    assert abs(result.loss - trace.loss) <= bounds["loss"].max
+
+
+def test_an_attention_block_keeps_the_reduced_formats_unsampled():
+    """An attention block rounds products of its own intermediates (q·kᵀ, softmax·v), which no draw on its inputs
+    reaches: a reduced-format claim keeps errmodel's operand model there; float32 is sampled as before."""
+    from precision_lab import sampled
+
+    network = load_model(MODELS / "vit-prenorm-block.json")  # nn.MultiheadAttention's op (a matmul op is sampled)
+    trace = reference(make_problem(network.default_size(16), 2, 0, network=network))
+    assert sampled.applies(trace, "float32") and not sampled.applies(trace, "tf32")
+
+
+def _biased_dncnn_bn():
+    """dncnn-bn with a bias on each convolution before a training-mode batch norm: those biases' gradients are zero
+    by structure (the normalisation removes every per-channel shift), noise in the float64 reference."""
+    import json
+
+    spec = json.loads((MODELS / "dncnn-bn.json").read_text())
+    for layer in spec["layers"]:
+        layer.pop("bias", None)
+    return load_model(spec)
+
+
+def test_a_gradient_zero_by_structure_answered_exactly_zero_is_rounding():
+    """A program that knows a bias before a batch norm has no gradient returns exact zeros: no layer off the tape
+    (the reference is noise at its own accuracy), and its float64 build's equal zeros persist nothing."""
+    from precision_lab.decision import REFERENCE_ACCURACY, decide
+    from precision_lab.experiments.float64_recompilation import build_evidence
+
+    network = _biased_dncnn_bn()
+    problem = make_problem(24, 2, 0, network=network)
+    trace = reference(problem)
+    zero = {name: np.zeros_like(trace.grads[name], dtype=np.float32) for name in ("body1.bias", "body2.bias")}
+    assert all(np.count_nonzero(trace.grads[name]) >= 2 for name in zero)  # noise: the reference is not all zero
+    result32 = _copy(forward_backward(problem, "float32"), **zero)
+    judgement = judge(result32, trace, hypotheses=False)
+    assert judgement.verdict == "roundoff", judgement.to_text()
+    forward64 = forward_backward(problem, "float64")
+    result64 = Result(forward64.loss, {**forward64.grads, **{n: np.zeros_like(g, np.float64) for n, g in zero.items()}},
+                      forward64.output, "float64", {})
+    build = build_evidence(result32, result64, trace, network.parameter_names, claimed="float32")
+    assert {build.quantities[name]["finding"] for name in zero} == {REFERENCE_ACCURACY}
+    assert build.persists == [] and decide(judgement, [], float64_build=build).verdict == "roundoff"
+    # the same zeros where the gradient is not zero by structure: a layer that received no gradient
+    lost = _copy(forward_backward(problem, "float32"), **{"bn1.bias": np.zeros(16, np.float32)})
+    assert judge(lost, trace, hypotheses=False).quantities["bn1.bias"].verdict == "defect"
 
 
 def test_a_first_layer_gradient_ten_percent_short_is_caught(tf_lenet):
@@ -420,7 +491,7 @@ def test_the_order_of_the_doctors_findings_does_not_change_a_judgement(small_pro
         bounds = errmodel.error_bounds(small_reference, candidate.claimed_precision)
         comparisons = compare(result, small_reference, bounds, "float32")
         pairs = quantity_arrays(result, small_reference)
-        found = doctors.zero_gradients(comparisons, pairs)
+        found = doctors.zero_gradients(comparisons, pairs, bounds, "float32")
         found += doctors.layouts(findings.apply(comparisons, found), result, small_reference, pairs, bounds)
         found += doctors.precision(findings.apply(comparisons, found), "float32", result, small_reference, pairs, bounds)
         found += doctors.defects(findings.apply(comparisons, found), result, small_reference, pairs, bounds)

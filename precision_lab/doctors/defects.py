@@ -98,17 +98,23 @@ def _one_slip_in_every_layer(fits) -> str | None:
     return f"{', '.join(named)}: {fits[0][1]}" if len(named) > 1 else None
 
 
-def zero_gradients(quantities, pairs) -> list[Finding]:
+def zero_gradients(quantities, pairs, bounds, storage: str = "float32") -> list[Finding]:
     """A parameter gradient that is exactly zero in every element where the reference has non-zero ones.
 
     Rounding makes an exact zero only by an exact cancellation; every element of a tensor at once is a
-    gradient never computed (a layer off the tape, frozen, or its buffer never written), whatever the bound."""
+    gradient never computed (a layer off the tape, frozen, or its buffer never written), whatever the bound.
+    Not where the reference is zero to its own accuracy (compare.zero_to_reference_accuracy): a gradient zero by
+    structure (a convolution's bias in front of a training-mode batch norm, an attention's key bias) is exactly
+    zero in a program that knows it, and noise in the float64 reference."""
+    from ..compare import zero_to_reference_accuracy
+
     layers = {}
     for name in quantities:
         if name in ("loss", "output") or name not in pairs:
             continue
         got, ref = pairs[name]
-        if ref.size >= 2 and np.count_nonzero(ref) >= 2 and not np.any(got):
+        if ref.size >= 2 and np.count_nonzero(ref) >= 2 and not np.any(got) \
+                and not zero_to_reference_accuracy(ref, bounds[name].bound, storage):
             layers.setdefault(name.rsplit(".", 1)[0], []).append(name)
     findings = []
     for layer, names in layers.items():

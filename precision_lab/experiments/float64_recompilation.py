@@ -59,16 +59,18 @@ def recompilation_table(problem: Problem, candidates: list[Candidate], device: t
         if result64 is None:
             notes.append(f"{candidate.name} has no float64 build: without it the error cannot be shown to vanish "
                          "with the arithmetic, so this experiment cannot tell rounding from a defect for it")
-        evidence = build_evidence(result32, result64, ref, problem.network.parameter_names)
+        evidence = build_evidence(result32, result64, ref, problem.network.parameter_names,
+                                  claimed=candidate.claimed_precision)
         rows += [{"candidate": candidate.name, "quantity": name, **row} for name, row in evidence.quantities.items()]
         decisions[candidate.name] = decide_candidate(candidate, problem, device, judgement, probes,
                                                      float64_build=evidence if result64 is not None else None)
     return pd.DataFrame(rows), decisions, notes
 
 
-def recompilation_rows(result32, result64, ref, names) -> list[dict]:
+def recompilation_rows(result32, result64, ref, names, accuracy: dict | None = None) -> list[dict]:
     """Per quantity (loss, then the parameters `names`): err32 and err64, the largest |build − float64 reference|
-    of each build (err64 NaN without a float64 build), their ratio and what it shows (`_finding`)."""
+    of each build (err64 NaN without a float64 build), their ratio and what it shows (`_finding`; `accuracy`: the
+    reference's own largest error per quantity, compare.reference_accuracy)."""
     quantities = [("loss", np.float64(result32.loss), np.float64(ref.loss),
                    None if result64 is None else np.float64(result64.loss))]
     quantities += [(name, result32.grads[name], ref.grads[name], None if result64 is None else result64.grads[name])
@@ -79,23 +81,34 @@ def recompilation_rows(result32, result64, ref, names) -> list[dict]:
         err64 = math.nan if got64 is None else _max_err(got64, want)
         ratio = err64 / err32 if err32 > 0 else math.nan
         rows.append({"quantity": name, "err32": err32, "err64": err64, "ratio": ratio,
-                     "expected_ratio_if_rounding": EXPECTED_RATIO, "finding": _finding(ratio, err32, err64)})
+                     "expected_ratio_if_rounding": EXPECTED_RATIO,
+                     "finding": _finding(ratio, err32, err64, (accuracy or {}).get(name, 0.0))})
     return rows
 
 
-def build_evidence(result32, result64, ref, names, verdict64: str | None = None):
-    """The float64 build as evidence for the decision (precision_lab.decision.Float64Build)."""
+def build_evidence(result32, result64, ref, names, verdict64: str | None = None, claimed: str = "float32"):
+    """The float64 build as evidence for the decision (precision_lab.decision.Float64Build); `claimed`: the float32
+    build's claimed precision, whose bounds (cached on `ref`) give the reference's own accuracy."""
+    from .. import errmodel
+    from ..compare import reference_accuracy
     from ..decision import Float64Build
+    from ..formats import STORAGE_DTYPE
 
-    rows = recompilation_rows(result32, result64, ref, names)
+    bounds = errmodel.error_bounds(ref, claimed)
+    accuracy = {name: reference_accuracy(bounds[name].bound, STORAGE_DTYPE[claimed]) for name in ("loss", *names)}
+    rows = recompilation_rows(result32, result64, ref, names, accuracy)
     return Float64Build({row.pop("quantity"): row for row in rows}, verdict64, EXPECTED_RATIO, VANISH_THRESHOLD)
 
 
-def _finding(ratio: float, err32: float, err64: float) -> str:
+def _finding(ratio: float, err32: float, err64: float, accuracy: float = 0.0) -> str:
     if math.isnan(err64):
         return "no float64 build"
     if err32 == 0:
         return "exact in float32" if err64 == 0 else "float64 build differs, float32 exact"
+    if err32 <= accuracy:  # the reference's own error as much as the build's: nothing to vanish or persist
+        from ..decision import REFERENCE_ACCURACY
+
+        return REFERENCE_ACCURACY
     return "vanishes in float64" if ratio <= VANISH_THRESHOLD else "persists in float64"
 
 

@@ -206,6 +206,10 @@ class Op:
     reads_error_backward = False  # backward_error reads its input's forward error (parametrised and smooth ops)
     returns_pair = False  # its PyTorch module returns (output, extra), read as module(x)[0] (nn.MultiheadAttention)
     weight_letters = None  # what O and I of a weight layout mean for its weight, where not a convolution's out and in
+    # a reduced format's rounded operands (ctx.rounding_term): its float inputs and these parameters, which the sampled
+    # runs perturb by their rounding (precision_lab.sampled); None: its products read no rounded operand
+    rounded_params: tuple[str, ...] | None = None
+    rounds_inside = False  # its products' operands are intermediates of its own (an attention block): not sampled so
 
     def expand(self, raw: dict) -> list[dict]:
         """The spec layers one written layer stands for (a convolution's "same" padding: a pad, then the conv)."""

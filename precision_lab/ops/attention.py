@@ -172,6 +172,7 @@ class Matmul(Op):
 
     name = "matmul"
     combines = True
+    rounded_params = ()  # both operands are its inputs
     keys = {"transpose_b": False, "scale": 1.0}
     reads_error_backward = True
     torch_calls = (torch.matmul, operator.matmul, torch.bmm)

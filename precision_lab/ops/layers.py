@@ -72,6 +72,7 @@ class Conv2d(Op):
     keys = {"in": REQUIRED, "out": REQUIRED, "kernel": REQUIRED, "stride": 1, "padding": 0, "dilation": 1,
             "bias": True, "groups": 1}
     parametrised = True
+    rounded_params = ("weight",)
 
     windowed = True
     window_shifts = "input"  # a padding offset moves the input's windows
@@ -626,6 +627,7 @@ class Linear(Op):
     name = "linear"
     keys = {"in": REQUIRED, "out": REQUIRED, "bias": True}
     parametrised = True
+    rounded_params = ("weight",)
 
     reads_error_backward = True
 

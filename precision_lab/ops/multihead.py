@@ -26,6 +26,7 @@ class Attention(Op):
     name = "attention"
     keys = {"dim": REQUIRED, "heads": 1, "scale": None}
     parametrised = True
+    rounds_inside = True
     reads_error_backward = True
     torch_modules = (torch.nn.MultiheadAttention,)
     returns_pair = True  # nn.MultiheadAttention returns (output, weights): a traced [0] reads the output
@@ -237,6 +238,7 @@ class DotProductAttention(Op):
 
     name = "dot_product_attention"
     arity = 3
+    rounds_inside = True
     keys = {"scale": None}
     reads_error_backward = True
     torch_calls = (torch.nn.functional.scaled_dot_product_attention,)

@@ -45,6 +45,7 @@ class ConvTranspose2d(Op):
     keys = {"in": REQUIRED, "out": REQUIRED, "kernel": REQUIRED, "stride": 1, "padding": 0, "output_padding": 0,
             "dilation": 1, "groups": 1, "bias": True}
     parametrised = True
+    rounded_params = ("weight",)
     reads_error_backward = True
     weight_letters = ("for a conv_transpose2d weight, O is its input channels and I its output channels, as in the "
                       "convolution it transposes: PyTorch's (in, out/groups, kH, kW) is OIHW")
