@@ -133,11 +133,10 @@ class SampledOp:
         return y if self.scale is None else y + drawn(self.scale, y, self.draw)
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
-        if self.operands is not None:
-            (rounded_xs, rounded_params), rounded_g = self.run_operands, self._rounded(g)
-            grads, param_grads = self.op.backward(attrs, rounded_g, rounded_xs, y, rounded_params, kernels, need)
-        else:
-            grads, param_grads = self.op.backward(attrs, g, xs, y, params, kernels, need)
+        # this run's rounded operands, as its forward read them (_rounded_operands)
+        (rounded_xs, rounded_params), rounded_g = (self.run_operands, self._rounded(g)) if self.operands is not None \
+            else ((xs, params), g)
+        grads, param_grads = self.op.backward(attrs, rounded_g, rounded_xs, y, rounded_params, kernels, need)
         if self.scales is None:
             self.scales = self.backward_scales(attrs, g, xs, y, params, kernels, need, grads)
         scales = self.scales

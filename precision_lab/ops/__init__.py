@@ -209,7 +209,7 @@ class Op:
     # a reduced format's rounded operands (ctx.rounding_term): its float inputs and these parameters, which the sampled
     # runs perturb by their rounding (precision_lab.sampled); None: its products read no rounded operand
     rounded_params: tuple[str, ...] | None = None
-    rounds_inside = False  # its products' operands are intermediates of its own (an attention block): not sampled so
+    rounds_inside = False  # its products read intermediates of its own (an attention block): no draw on its inputs reaches them
 
     def expand(self, raw: dict) -> list[dict]:
         """The spec layers one written layer stands for (a convolution's "same" padding: a pad, then the conv)."""
