@@ -144,7 +144,7 @@ def _derivable_grad(network: Network, index: int) -> bool:
 
 def forward_backward(problem: Problem, dtype: str = "float32", device: str | torch.device = "cpu",
                      kernels: Kernels | None = None, keep_trace: bool = False, rules: dict | None = None,
-                     intermediates: bool = False) -> Result | Trace:
+                     intermediates: bool = False, backward: bool = True) -> Result | Trace:
     """One forward and backward of `problem.network` in `dtype` on `device`, layer by layer.
 
     `kernels` chooses the convolution algorithm and operand rounding (default: PyTorch native).
@@ -152,17 +152,18 @@ def forward_backward(problem: Problem, dtype: str = "float32", device: str | tor
     slips). With `keep_trace`, a Trace for the error model (float32 roundings of the
     intermediates); in float64 the walk then applies ReLUs in place and frees each value once the
     backward is past it (the reference's peak memory at 1024²). With `intermediates`, named
-    layers' outputs and output gradients go into `Result.intermediates`.
+    layers' outputs and output gradients go into `Result.intermediates`. Without `backward`, the forward and the
+    loss only: `Result.grads` is empty (the sampled runs that estimate forward quantities alone).
     """
     from .conv.backends import native_flags
 
     # float32 means IEEE float32: cuDNN's default TF32 would make every float32 walk on a GPU a tf32 one
     # (a kernel that asks for TF32, like the native-tf32 backend, sets it around its own call)
     with native_flags(fp32_precision="ieee"):
-        return _forward_backward(problem, dtype, device, kernels, keep_trace, rules, intermediates)
+        return _forward_backward(problem, dtype, device, kernels, keep_trace, rules, intermediates, backward)
 
 
-def _forward_backward(problem, dtype, device, kernels, keep_trace, rules, intermediates):
+def _forward_backward(problem, dtype, device, kernels, keep_trace, rules, intermediates, backward=True):
     network = problem.network
     kernels = kernels or Kernels()
     rules = rules or {}
@@ -200,9 +201,9 @@ def _forward_backward(problem, dtype, device, kernels, keep_trace, rules, interm
         loss, grad = (rules.get("loss") or LOSSES[network.loss]).forward_backward(output, target)
         output_np = output.detach().cpu().numpy()
 
-        pending: dict[int, list[torch.Tensor]] = {last: [grad]}
+        pending: dict[int, list[torch.Tensor]] = {last: [grad]} if backward else {}
         grads: dict[str, torch.Tensor] = {}
-        for layer in reversed(layers):
+        for layer in reversed(layers if backward else []):
             contributions = pending.pop(layer.index, [])
             if not contributions:  # a branch that reaches no loss (never in a validated network)
                 continue
@@ -230,7 +231,7 @@ def _forward_backward(problem, dtype, device, kernels, keep_trace, rules, interm
             if saving:
                 values.pop(layer.index, None)  # every reader of this output is behind us
             del g, contributions
-    result_grads = {name: grads[name].detach().cpu().numpy() for name in network.parameter_names}
+    result_grads = {name: grads[name].detach().cpu().numpy() for name in network.parameter_names if backward}
     meta = {"conv": kernels.name, "device": str(device)}
     common = dict(loss=float(loss), grads=result_grads, output=output_np, dtype=dtype, meta=meta, intermediates=kept)
     if not keep_trace:

@@ -131,12 +131,11 @@ def error_bounds(trace: Trace, precision: str = "float32", lam: float = LAMBDA) 
         with torch.no_grad(), _ieee(trace.device):
             bounds = _error_bounds(trace, precision, lam)
             if sampled.applies(trace, precision):
-                upstream = sampled.upstream_bounds(trace, precision, lam)
-                if precision in formats.REDUCED_FORMATS:
-                    # a reduced format's errors flip ReLUs often enough that a flip's jump in the backward (a whole
-                    # gradient element passed or blocked) is too rare in K runs to estimate: its gradients keep |W|·E;
-                    # the forward only moves continuously with its inputs (docs/error-model.md)
-                    upstream = {name: upstream[name] for name in sampled.FORWARD_QUANTITIES}
+                # a reduced format's errors flip ReLUs often enough that a flip's jump in the backward (a whole
+                # gradient element passed or blocked) is too rare in K runs to estimate: its gradients keep |W|·E, and
+                # its runs stop after the forward, which only moves continuously with its inputs (docs/error-model.md)
+                upstream = sampled.upstream_bounds(trace, precision, lam,
+                                                   forward_only=precision in formats.REDUCED_FORMATS)
                 _tighten(bounds, upstream, formats.unit_roundoff(accumulation_precision(precision)))
             cache[(precision, lam)] = bounds
     return cache[(precision, lam)]

@@ -166,8 +166,9 @@ class SampledLoss:
         return self.loss.sampled_grad_scale(y, t, self.u)
 
 
-def deviations(trace, precision: str, lam: float, samples: int = SAMPLES):
-    """K runs' deviations from the reference: {quantity: array (K, *shape)} for loss, output and gradients."""
+def deviations(trace, precision: str, lam: float, samples: int = SAMPLES, forward_only: bool = False):
+    """K runs' deviations from the reference: {quantity: array (K, *shape)} for loss, output and gradients (the loss
+    and the output alone with `forward_only`: each run then skips its backward and draws none of its roundings)."""
     from .compute import forward_backward
     from .ops import LOSSES
 
@@ -183,21 +184,23 @@ def deviations(trace, precision: str, lam: float, samples: int = SAMPLES):
 
     rules = {layer.index: SampledOp(OPS[layer.op], draw, u, lam, precision) for layer in network.layers}
     rules["loss"] = SampledLoss(LOSSES[network.loss], draw, u)
-    out = {name: [] for name in ("loss", "output") + network.parameter_names}
+    names = FORWARD_QUANTITIES + (() if forward_only else network.parameter_names)
+    out = {name: [] for name in names}
     reference_values = {"loss": np.asarray(trace.loss, np.float64), "output": np.asarray(trace.output, np.float64)}
     reference_values.update({n: np.asarray(trace.grads[n], np.float64) for n in network.parameter_names})
     for _ in range(samples):
-        run = forward_backward(problem, "float64", trace.device, rules=rules)
-        out["loss"].append(np.asarray(run.loss, np.float64) - reference_values["loss"])
-        out["output"].append(np.asarray(run.output, np.float64) - reference_values["output"])
-        for n in network.parameter_names:
-            out[n].append(np.asarray(run.grads[n], np.float64) - reference_values[n])
+        run = forward_backward(problem, "float64", trace.device, rules=rules, backward=not forward_only)
+        values = {"loss": run.loss, "output": run.output, **run.grads}
+        for name in names:
+            out[name].append(np.asarray(values[name], np.float64) - reference_values[name])
     return {name: np.stack(values) for name, values in out.items()}
 
 
-def upstream_bounds(trace, precision: str, lam: float) -> dict[str, np.ndarray]:
-    """FACTOR·√(mean Δₖ²) per element of every quantity: the sampled bound on its propagated error."""
-    return {name: FACTOR * np.sqrt(np.mean(d * d, axis=0)) for name, d in deviations(trace, precision, lam).items()}
+def upstream_bounds(trace, precision: str, lam: float, forward_only: bool = False) -> dict[str, np.ndarray]:
+    """FACTOR·√(mean Δₖ²) per element of every quantity (the loss and the output alone with `forward_only`): the
+    sampled bound on its propagated error."""
+    return {name: FACTOR * np.sqrt(np.mean(d * d, axis=0))
+            for name, d in deviations(trace, precision, lam, forward_only=forward_only).items()}
 
 
 __all__ = ["ELEMENT_LIMIT", "FACTOR", "FORWARD_QUANTITIES", "SAMPLES", "applies", "deviations", "failure_probability", "upstream_bounds"]

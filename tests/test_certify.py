@@ -148,6 +148,24 @@ def test_a_reduced_format_claims_forward_is_sampled_and_its_gradients_are_not(fm
     assert abs(result.loss - trace.loss) <= bounds["loss"].max
 
 
+def test_a_reduced_formats_sampled_runs_stop_after_the_forward():
+    """Only the loss and the output of a reduced format's runs are read, so each run skips its backward: the first
+    run's forward draws are the same either way, so its loss and output deviations agree bit for bit."""
+    from precision_lab import sampled
+    from precision_lab.compute import forward_backward
+
+    problem = make_problem((33, 47), 3, 0)
+    trace = reference(problem)
+    whole = sampled.deviations(trace, "bfloat16", errmodel.LAMBDA, samples=1)
+    forward = sampled.deviations(trace, "bfloat16", errmodel.LAMBDA, samples=1, forward_only=True)
+    assert set(forward) == set(sampled.FORWARD_QUANTITIES) and set(whole) > set(forward)
+    for name in sampled.FORWARD_QUANTITIES:
+        assert np.array_equal(forward[name], whole[name]) and np.any(forward[name] != 0), name
+    plain = forward_backward(problem, "float64", backward=False)
+    full = forward_backward(problem, "float64")
+    assert plain.grads == {} and plain.loss == full.loss and np.array_equal(plain.output, full.output)
+
+
 def test_an_attention_block_keeps_the_reduced_formats_unsampled():
     """An attention block rounds products of its own intermediates (q·kᵀ, softmax·v), which no draw on its inputs
     reaches: a reduced-format claim keeps errmodel's operand model there; float32 is sampled as before."""

@@ -118,8 +118,7 @@ def _load_builtins() -> None:
 
 def registry() -> dict[str, Candidate]:
     """Every built-in candidate, by name."""
-    if not _REGISTRY:
-        _load_builtins()
+    _load_builtins()  # always: one of the modules imported on its own (builtin) registers only its own candidates
     return dict(_REGISTRY)
 
 
