@@ -201,7 +201,7 @@ def _forward_backward(problem, dtype, device, kernels, keep_trace, rules, interm
         loss, grad = (rules.get("loss") or LOSSES[network.loss]).forward_backward(output, target)
         output_np = output.detach().cpu().numpy()
 
-        pending: dict[int, list[torch.Tensor]] = {last: [grad]} if backward else {}
+        pending: dict[int, list[torch.Tensor]] = {last: [grad]}
         grads: dict[str, torch.Tensor] = {}
         for layer in reversed(layers if backward else []):
             contributions = pending.pop(layer.index, [])

@@ -183,7 +183,8 @@ def deviations(trace, precision: str, lam: float, samples: int = SAMPLES, forwar
         return torch.randn(like.shape, generator=generator, device="cpu", dtype=torch.float32).to(like.device, like.dtype)
 
     rules = {layer.index: SampledOp(OPS[layer.op], draw, u, lam, precision) for layer in network.layers}
-    rules["loss"] = SampledLoss(LOSSES[network.loss], draw, u)
+    if not forward_only:  # the loss's own draw is on its gradient: a forward-only run takes the loss plainly
+        rules["loss"] = SampledLoss(LOSSES[network.loss], draw, u)
     names = FORWARD_QUANTITIES + (() if forward_only else network.parameter_names)
     out = {name: [] for name in names}
     reference_values = {"loss": np.asarray(trace.loss, np.float64), "output": np.asarray(trace.output, np.float64)}
