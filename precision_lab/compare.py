@@ -69,6 +69,7 @@ class QuantityVerdict:
     cause_layers: tuple[str, ...] = ()  # the layers a layer-local cause slips in ('conv1',)
     evidence: str = ""
     format_bound_ratio: float | None = None  # max error ÷ the bound of the format that names it (reduced-precision)
+    along_ratio: float | None = None  # the error's projection on the reference's direction ÷ its bound (reduced formats)
     settled_by: str | None = None  # an inconclusive quantity made roundoff elsewhere: "the float64 build" or the problems
     settled_ratios: dict | None = None  # what settled it: err64 ÷ err32, or error ÷ bound on each other problem
     problem: str | None = None  # the probe it was judged on, where a decision took it from one (None: requested)
@@ -217,5 +218,24 @@ def compare(result: Result, reference: Trace, bounds: dict, storage: str) -> dic
         q.n_terms, q.relu_flips = bounds[name].n, bounds[name].relu_flips
         if q.verdict == "roundoff" and bounds[name].drifted is not None:
             certify_repeated(q, ref, bounds[name].bound, bounds[name].drifted)
+        if bounds[name].along is not None:
+            along(q, got, ref, bounds[name].along)
         out[name] = q
     return out
+
+
+def along(q: QuantityVerdict, got: np.ndarray, ref: np.ndarray, bound: float) -> None:
+    """The error's projection on the reference's own direction ĝ = g/‖g‖ against its bound (errmodel's `along`):
+    rounding moves a gradient every which way, so its projection there is a small part of it, while a scaled, partly
+    lost or one-sample gradient moves along g itself. Beyond its bound the quantity is a `defect`, even where every
+    element is within its own."""
+    size = norm(ref)
+    if size == 0 or not math.isfinite(q.bound_ratio):
+        return
+    projection = dot(got - ref, ref) / size
+    q.along_ratio = abs(projection) / bound if bound > 0 else math.inf
+    if q.along_ratio > 1.0 and q.verdict in ("roundoff", "inconclusive"):
+        q.verdict = "defect"
+        q.evidence = (f"the error along the gradient's own direction is {projection / size:+.3g} of its size, "
+                      f"{q.along_ratio:.3g}× what rounding can do there ({bound / size:.3g}): a scaled or partly lost "
+                      "gradient, not rounding")

@@ -280,3 +280,32 @@ def autograd_forward_backward(problem: Problem, dtype: str = "float32", device: 
     grads = {name: value.grad.detach().cpu().numpy() for name, value in module.named_parameters()}
     return Result(float(loss.detach()), {n: grads[n] for n in network.parameter_names}, y.detach().cpu().numpy(),
                   dtype, {"conv": "native-autograd", "device": str(device)})
+
+
+#: torch.autocast's dtype for each format a program may store results in (formats.STORED_FORMATS)
+AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast_forward_backward(problem: Problem, fmt: str, device: str | torch.device = "cpu",
+                              loss_scale: float = 1.0) -> Result:
+    """One step of the network as a PyTorch module under torch.autocast(dtype=fmt) (float32 parameters, results of
+    convolutions, linear layers and matmuls stored in the format, the loss in float32), the loss multiplied by
+    `loss_scale` before the backward and the gradients divided by it after (GradScaler's unscale)."""
+    from .modules import SpecModule
+
+    network = problem.network
+    device = torch.device(device)
+    module = SpecModule(network, device=device, dtype=torch.float32)
+    x, target, params = to_tensors(problem, "float32", device)
+    with torch.no_grad():
+        for name, value in module.named_parameters():
+            value.copy_(params[name])
+    module.carry({name: params[name] for name in problem.masks})
+    with torch.autocast(device.type, dtype=AUTOCAST_DTYPES[fmt]):
+        y = module(x)
+        loss = module.loss(y, target)
+    (loss.float() * loss_scale).backward()
+    grads = {name: (value.grad / loss_scale).detach().cpu().numpy().astype(np.float32)
+             for name, value in module.named_parameters()}
+    return Result(float(loss.detach().float()), {n: grads[n] for n in network.parameter_names},
+                  y.detach().float().cpu().numpy(), "float32", {"conv": f"autocast-{fmt}", "device": str(device)})

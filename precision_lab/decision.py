@@ -205,6 +205,18 @@ def settle(main: Judgement, probes: list, float64_build: Float64Build | None = N
                 q.evidence = (f"{SETTLED}certified on {q.settled_by} (error ÷ bound "
                               + ", ".join(f"{name} {r:.2g}" for name, r in q.settled_ratios.items())
                               + f"), cosine here {q.cosine:.6f}")
+            elif q.format is not None and others and all(
+                    q.quantity in j.quantities and before[id(j)][q.quantity] == "reduced-precision"
+                    and j.quantities[q.quantity].format == q.format for _, j in others):
+                # beyond the claimed bound and within the format's, whose bound here was too large to certify: the
+                # format each other problem certified names it
+                q.verdict = "reduced-precision"
+                q.settled_by = "every probe" if judgement is main else "the requested problem and every other probe"
+                q.settled_ratios = {name: j.quantities[q.quantity].format_bound_ratio for name, j in others}
+                q.evidence = (f"{SETTLED}within the {q.format} bound here, and {q.format} certified on "
+                              f"{q.settled_by} (error ÷ {q.format} bound "
+                              + ", ".join(f"{name} {r:.2g}" for name, r in q.settled_ratios.items() if r is not None)
+                              + ")")
 
 
 def _copy(judgement: Judgement) -> Judgement:

@@ -246,7 +246,7 @@ def _run(candidate: Candidate, problem: Problem, where, programs: _Programs | No
         leave()
         trace = reference(problem, where)
         leave()
-        errmodel.error_bounds(trace, candidate.claimed_precision)
+        errmodel.error_bounds(trace, candidate.claimed_precision, loss_scale=candidate.loss_scale)
         if build64 is not None:
             leave()
             errmodel.error_bounds(trace, "float64")
@@ -362,7 +362,7 @@ def _repeats(candidate, problem, where, trace, first: Result, repeats: int, bar)
     for _ in range(repeats - 1):
         runs.append(quantity_arrays(candidate.compute(problem, "float32", where), trace))
         bar.update()
-    bounds = errmodel.error_bounds(trace, candidate.claimed_precision)
+    bounds = errmodel.error_bounds(trace, candidate.claimed_precision, loss_scale=candidate.loss_scale)
     spread = {}
     for name in runs[0]:
         stack = np.stack([run[name][0] for run in runs])

@@ -63,6 +63,7 @@ class QuantityBound:
     relu_flips: int = 0  # ReLU positions (and max-pool windows) upstream whose decision the errors could flip
     sampled: int = 0  # elements whose bound is the sampled propagation's (precision_lab.sampled), not |W|·E
     drifted: np.ndarray | None = None  # elements whose own part is a repeated-value sum's drift (roundoff.column_drift)
+    along: float | None = None  # bound on the error's projection on the reference's direction (a reduced format's)
 
     @property
     def max(self) -> float:
@@ -119,26 +120,68 @@ def _quantity(name: str, parts: Parts, u: float, shape=None) -> QuantityBound:
                          drifted=drifted)
 
 
-def error_bounds(trace: Trace, precision: str = "float32", lam: float = LAMBDA) -> dict[str, QuantityBound]:
+def error_bounds(trace: Trace, precision: str = "float32", lam: float = LAMBDA,
+                 loss_scale: float = 1.0) -> dict[str, QuantityBound]:
     """Per-element rounding bound for loss, output and every parameter gradient of `trace` at `precision`.
 
     `trace` is the float64 reference (it holds the exact-enough intermediates); `precision`
-    is the candidate's claimed arithmetic. The trace is never modified (its meta caches the result).
+    is the candidate's claimed arithmetic; `loss_scale`, a float16 program's loss scale (1: none, which covers
+    every scale). The trace is never modified (its meta caches the result).
     """
     formats.unit_roundoff(precision)  # raises for an unknown precision
+    loss_scale = float(loss_scale) if precision == "float16" else 1.0
     cache = trace.meta.setdefault("error_bounds", {})  # one evaluation per trace and precision
-    if (precision, lam) not in cache:
+    key = (precision, lam) if loss_scale == 1.0 else (precision, lam, loss_scale)
+    if key not in cache:
         with torch.no_grad(), _ieee(trace.device):
             bounds = _error_bounds(trace, precision, lam)
-            if sampled.applies(trace, precision):
-                # a reduced format's errors flip ReLUs often enough that a flip's jump in the backward (a whole
-                # gradient element passed or blocked) is too rare in K runs to estimate: its gradients keep |W|·E, and
-                # its runs stop after the forward, which only moves continuously with its inputs (docs/error-model.md)
-                upstream = sampled.upstream_bounds(trace, precision, lam,
-                                                   forward_only=precision in formats.REDUCED_FORMATS)
-                _tighten(bounds, upstream, formats.unit_roundoff(accumulation_precision(precision)))
-            cache[(precision, lam)] = bounds
-    return cache[(precision, lam)]
+            u = formats.unit_roundoff(accumulation_precision(precision))
+            if sampled.applies(trace, precision) and precision in formats.REDUCED_FORMATS:
+                # every rounding the format makes, drawn through the network, with its switches' flips as Bernoulli
+                # events of their own probability (precision_lab.switching; docs/error-model.md, "Reduced formats")
+                reduced = sampled.reduced_upstream_bounds(trace, precision, lam, loss_scale)
+                _tighten_reduced(bounds, reduced, trace, precision, u, loss_scale)
+            elif sampled.applies(trace, precision):
+                _tighten(bounds, sampled.upstream_bounds(trace, precision, lam), u)
+            cache[key] = bounds
+    return cache[key]
+
+
+def _tighten_reduced(bounds: dict[str, QuantityBound], reduced, trace: Trace, precision: str, u: float,
+                     loss_scale: float) -> None:
+    """A reduced format's quantities take the sampled bound (sampled.reduced_upstream_bounds) where smaller.
+
+    The runs draw every operand's rounding and every result's, the output's last one included, so the own part
+    left is a sum's float32 accumulation (the loss's and each parameter gradient's: γ̃ₙ(λ)·S or the partial-sum
+    bound) and, in a stored format, the parameter gradient's own storage: one rounding, u_f·|ĝ| + η_f/(2·scale),
+    with |ĝ| ≤ |g| + its upstream bound. Along the gradient's direction ĝ the own parts add as independent mean-zero
+    roundings (Hoeffding: λ·√Σ(own·ĝ)²) and the sampled part is the runs' own projection."""
+    stored = precision in formats.STORED_FORMATS
+    for name, up in reduced.upstream.items():
+        q = bounds[name]
+        up = np.asarray(up).reshape(q.bound.shape)
+        if name == "output":
+            own = np.zeros_like(q.accumulation)
+        else:
+            own = np.asarray(q.accumulation, np.float64)
+            if stored and name != "loss":
+                reference = np.abs(np.asarray(trace.grads[name], np.float64)).reshape(q.bound.shape)
+                own = own + (formats.unit_roundoff(precision) * (reference + up)
+                             + SUBNORMAL_SPACING[precision] / (2 * loss_scale))
+        floor = max(u * float(np.max(q.abs_sum)), np.finfo(np.float32).tiny)
+        candidate = np.maximum((own + up) * EVALUATION_MARGIN, floor)
+        tighter = candidate < q.bound
+        q.bound = np.where(tighter, candidate, q.bound)
+        q.propagated = np.where(tighter, up, q.propagated)
+        q.input_rounding = np.where(tighter, 0.0, q.input_rounding)
+        q.accumulation = np.where(tighter, own, q.accumulation)
+        q.sampled = int(np.count_nonzero(tighter))
+        if name in reduced.along:
+            g = np.asarray(trace.grads[name], np.float64).reshape(q.bound.shape)
+            size = float(np.linalg.norm(g))
+            direction = np.abs(g) / size if size > 0 else np.zeros_like(g)
+            own_along = LAMBDA * float(np.sqrt(np.sum((own * direction) ** 2)))
+            q.along = (own_along + reduced.along[name]) * EVALUATION_MARGIN
 
 
 def _tighten(bounds: dict[str, QuantityBound], upstream: dict[str, np.ndarray], u: float) -> None:

@@ -19,6 +19,18 @@ UNIT_ROUNDOFF = {name: 2.0 ** -p for name, p in SIGNIFICAND_BITS.items()}
 #: formats whose arithmetic is float32 but whose conv *inputs* are rounded to fewer bits
 REDUCED_FORMATS = ("tf32", "bfloat16", "float16")
 
+#: formats a program may also *store* results in: PyTorch's autocast keeps a convolution's, a linear layer's or a
+#: matmul's output in bfloat16 or float16, and every op after it computes in float32 and stores in the format
+#: again, gradients too. A claim of either covers that and the tensor-core use with float32 results alike. TF32 is
+#: a mode of the float32 units only: nothing is stored in it
+STORED_FORMATS = ("bfloat16", "float16")
+
+#: the names users write for PyTorch's torch.autocast with each dtype: the same claims as the formats themselves
+AUTOCAST_ALIASES = {"autocast-bfloat16": "bfloat16", "autocast-float16": "float16"}
+
+#: the largest finite float16 (IEEE 754 binary16): a scaled gradient beyond it overflows
+FLOAT16_MAX = 65504.0
+
 #: the storage dtype a claimed precision exchanges arrays in (docs/design.md, "Exchange format": float32 for tf32/bf16/fp16)
 STORAGE_DTYPE = {"float64": "float64", "float32": "float32", "tf32": "float32",
                  "bfloat16": "float32", "float16": "float32"}
@@ -26,12 +38,20 @@ STORAGE_DTYPE = {"float64": "float64", "float32": "float32", "tf32": "float32",
 PRECISIONS = tuple(SIGNIFICAND_BITS)
 
 
+def claim(text: str) -> str:
+    """A precision as a user writes it, as the lab names it: autocast-bfloat16 is bfloat16 (AUTOCAST_ALIASES)."""
+    name = AUTOCAST_ALIASES.get(text, text)
+    unit_roundoff(name)
+    return name
+
+
 def unit_roundoff(precision: str) -> float:
     """u of a named precision; raises ValueError naming the choices for an unknown one."""
     try:
         return UNIT_ROUNDOFF[precision]
     except KeyError:
-        raise ValueError(f"unknown precision {precision!r}: expected one of {', '.join(PRECISIONS)}") from None
+        raise ValueError(f"unknown precision {precision!r}: expected one of {', '.join(PRECISIONS + tuple(AUTOCAST_ALIASES))}"
+                         ) from None
 
 
 def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:

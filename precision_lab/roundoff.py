@@ -320,11 +320,12 @@ def repeats(values: torch.Tensor, n: int, precision: str = "float32") -> bool:
     return mean != 0 and float(np.std(sample.astype(np.float64))) <= 2 * u * n * abs(mean)
 
 
-def operand_rounding(x: torch.Tensor, precision: str) -> torch.Tensor:
-    """r(x) = u_f·|x| + η_f/2: the largest error of rounding x to `precision` (zero if not rounded)."""
+def operand_rounding(x: torch.Tensor, precision: str, scale: float = 1.0) -> torch.Tensor:
+    """r(x) = u_f·|x| + η_f/(2·scale): the largest error of rounding x to `precision` (zero if not rounded); `scale`:
+    what x was multiplied by before the rounding and divided by after (a float16 program's loss scale, on gradients)."""
     if precision not in ROUNDED_OPERANDS:
         return torch.zeros_like(x)
-    return formats.unit_roundoff(precision) * x.abs() + SUBNORMAL_SPACING[precision] / 2
+    return formats.unit_roundoff(precision) * x.abs() + SUBNORMAL_SPACING[precision] / (2 * scale)
 
 
 def rounding_term(op, x: torch.Tensor, y: torch.Tensor, precision: str, lam: float) -> torch.Tensor | float:

@@ -44,6 +44,9 @@ drawn: the sum where a tensor's gradients from several readers meet (one roundin
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -95,27 +98,42 @@ def drawn(scale, like: torch.Tensor, draw) -> torch.Tensor:
 
 
 class SampledOp:
-    """An op whose outputs and input gradients get a Gaussian draw of their rounding's scale."""
+    """An op whose outputs and input gradients get a Gaussian draw of their rounding's scale.
+
+    In a reduced format's runs (`layer` and `reference` given, `reduced_upstream_bounds`) it also draws the storage
+    of its results in the format (formats.STORED_FORMATS: a rounding op's output and input gradients), the rounding
+    where its output's gradients from several readers meet, and, once `frozen`, takes a switching op's decisions
+    from the reference and adds its flips' mean and spread (`flips`, precision_lab.switching); while `record`, it
+    sums its output's squared deviation from the reference."""
 
     forward_inplace = None
     derive_output = None
     derive_input_grad = None
     backward_inplace = None
 
-    def __init__(self, op, draw, u: float, lam: float, precision: str = "float32"):
+    def __init__(self, op, draw, u: float, lam: float, precision: str = "float32", layer=None, reference=None,
+                 grad_scale: float = 1.0):
         self.op, self.draw, self.u, self.lam = op, draw, u, lam
         # the scales of the first run, kept: the runs differ from each other by rounding only (second order)
         self.scale, self.scales = False, None
         # a reduced format rounds this op's operands: drawn on them, once per run (_rounded_operands)
         self.operands = precision if precision in formats.REDUCED_FORMATS and op.rounded_params is not None else None
         self.run_operands = None
+        self.layer, self.reference, self.grad_scale = layer, reference, grad_scale
+        self.stored = precision if layer is not None and precision in formats.STORED_FORMATS else None
+        self.joins = layer is not None and len(reference.network.consumers.get(layer.index, ())) > 1
+        self.frozen, self.record, self.squares, self.flips = False, False, None, None
 
-    def _rounded(self, t: torch.Tensor) -> torch.Tensor:
+    def _rounded(self, t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         """t plus a draw of its rounding to the claimed format: σ = r(t) = u_f·|t| + η_f/2 per element
         (roundoff.operand_rounding), at least the rounding error's range, so a sub-Gaussian proxy of it."""
         if not t.is_floating_point():
             return t
-        return t + roundoff.operand_rounding(t, self.operands) * self.draw(t)
+        return t + roundoff.operand_rounding(t, self.operands, scale) * self.draw(t)
+
+    def _stored(self, t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """t plus a draw of its storage in the claimed format (a stored format only)."""
+        return t + roundoff.operand_rounding(t, self.stored, scale) * self.draw(t)
 
     def _rounded_operands(self, xs, params):
         """This run's rounded inputs and parameters: one draw per operand element, read by the forward and by the
@@ -130,17 +148,34 @@ class SampledOp:
         y = self.op.forward(attrs, rounded_xs, rounded_params, kernels)
         if self.scale is False:
             self.scale = self.forward_scale(attrs, xs, y, params, kernels)
-        return y if self.scale is None else y + drawn(self.scale, y, self.draw)
+        y = y if self.scale is None else y + drawn(self.scale, y, self.draw)
+        if self.stored is not None and self.scale is not None:  # a result that rounds is stored in the format
+            y = self._stored(y)
+        if self.record:
+            deviation = y - self.reference.value(self.layer.index).to(y.dtype)
+            deviation.mul_(deviation)
+            self.squares = deviation if self.squares is None else self.squares.add_(deviation)
+        return y
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
+        if self.joins:  # the gradients of several readers, summed: one rounding (stored: in the format)
+            g = self._stored(g, self.grad_scale) if self.stored is not None else g + self.u * g.abs() * self.draw(g)
+        if self.frozen and self.op.switches:  # the reference's decisions: their flips come as `flips`
+            xs = [self.reference.value(i).to(g.dtype) for i in self.layer.inputs]
+            y = self.reference.value(self.layer.index).to(g.dtype)
         # this run's rounded operands, as its forward read them (_rounded_operands)
-        (rounded_xs, rounded_params), rounded_g = (self.run_operands, self._rounded(g)) if self.operands is not None \
-            else ((xs, params), g)
+        (rounded_xs, rounded_params), rounded_g = (self.run_operands, self._rounded(g, self.grad_scale)) \
+            if self.operands is not None else ((xs, params), g)
         grads, param_grads = self.op.backward(attrs, rounded_g, rounded_xs, y, rounded_params, kernels, need)
         if self.scales is None:
             self.scales = self.backward_scales(attrs, g, xs, y, params, kernels, need, grads)
         scales = self.scales
         grads = [h if h is None or s is None else h + drawn(s, h, self.draw) for h, s in zip(grads, scales)]
+        if self.stored is not None:
+            grads = [h if h is None or s is None else self._stored(h, self.grad_scale) for h, s in zip(grads, scales)]
+        if self.flips is not None and grads[0] is not None:
+            mean, spread = self.flips
+            grads[0] = grads[0] + mean + spread * self.draw(spread)
         return grads, param_grads  # a parameter gradient's own rounding is errmodel's (deterministic)
 
     def forward_scale(self, attrs, xs, y, params, kernels):
@@ -151,16 +186,21 @@ class SampledOp:
 
 
 class SampledLoss:
-    """The loss with a draw on ∂loss/∂output of its evaluation's scale (ops/losses.py's bound without E_y)."""
+    """The loss with a draw on ∂loss/∂output of its evaluation's scale (ops/losses.py's bound without E_y); with a
+    stored format, ∂loss/∂output is also stored in it (scaled by the loss scale first)."""
 
-    def __init__(self, loss, draw, u: float):
+    def __init__(self, loss, draw, u: float, stored: str | None = None, grad_scale: float = 1.0):
         self.loss, self.draw, self.u, self.scale = loss, draw, u, None
+        self.stored, self.grad_scale = stored, grad_scale
 
     def forward_backward(self, y, t, in_place: bool = False):
         loss, grad = self.loss.forward_backward(y, t)
         if self.scale is None:
             self.scale = self._scale(y, t)
-        return loss, grad + self.scale * self.draw(grad)
+        grad = grad + self.scale * self.draw(grad)
+        if self.stored is not None:
+            grad = grad + roundoff.operand_rounding(grad, self.stored, self.grad_scale) * self.draw(grad)
+        return loss, grad
 
     def _scale(self, y, t):
         return self.loss.sampled_grad_scale(y, t, self.u)
@@ -204,4 +244,90 @@ def upstream_bounds(trace, precision: str, lam: float, forward_only: bool = Fals
             for name, d in deviations(trace, precision, lam, forward_only=forward_only).items()}
 
 
-__all__ = ["ELEMENT_LIMIT", "FACTOR", "FORWARD_QUANTITIES", "SAMPLES", "applies", "deviations", "failure_probability", "upstream_bounds"]
+#: runs of a reduced format's bound (`reduced_upstream_bounds`): K forward runs measure what the switches read (and
+#: the loss and the output), K more with the switches frozen the gradients; at K = 64 the factor that keeps the
+#: failure probability of SAMPLES, FACTOR is c = 6.0 (factor_for), against 9 at K = 16
+REDUCED_SAMPLES = 64
+
+
+def factor_for(samples: int, probability: float | None = None) -> float:
+    """c with 2·(1 + c²/K)^(−K/2) = `probability` (default: that of SAMPLES, FACTOR): the same risk at K runs."""
+    p = failure_probability() if probability is None else probability
+    return math.sqrt(samples * ((p / 2) ** (-2.0 / samples) - 1.0))
+
+
+@dataclass
+class ReducedBounds:
+    """A reduced format's sampled bounds: per element of every quantity, and along each parameter gradient's own
+    direction (the error's projection on ĝ = g/‖g‖: a scaled or partly lost gradient shows there)."""
+
+    upstream: dict  # quantity → c·√(mean Δₖ²), per element
+    along: dict  # parameter gradient → c·√(mean ⟨Δₖ, ĝ⟩²)
+    flips: dict = field(default_factory=dict)  # switching layer → flips a candidate makes on average
+    samples: int = REDUCED_SAMPLES
+
+
+def reduced_upstream_bounds(trace, precision: str, lam: float, loss_scale: float = 1.0,
+                            samples: int = REDUCED_SAMPLES) -> ReducedBounds:
+    """The sampled bounds of a reduced-format claim, switches included (precision_lab.switching).
+
+    K forward runs draw every rounding the format makes (operands, sums, results stored in the format) and measure
+    the loss's and the output's deviations and, at every switching op's input, the variance of its deviation. Each
+    switch's flips then get their Bernoulli mean and spread at its input gradient, and K more runs, each switch
+    taking its decision from the reference, draw every rounding of the forward and the backward, flips included.
+    `loss_scale`: what a float16 program multiplies its loss by before the backward (the absolute part of its
+    gradients' rounding is divided by it)."""
+    from .compute import forward_backward
+    from .ops import LOSSES
+
+    network, problem = trace.network, trace.problem
+    u = formats.unit_roundoff(roundoff.accumulation_precision(precision))
+    generator = torch.Generator(device="cpu").manual_seed(1_000_003 * (problem.seed + 1) + 7)
+
+    def draw(like: torch.Tensor) -> torch.Tensor:
+        return torch.randn(like.shape, generator=generator, device="cpu", dtype=torch.float32).to(like.device, like.dtype)
+
+    rules = {layer.index: SampledOp(OPS[layer.op], draw, u, lam, precision, layer, trace, loss_scale)
+             for layer in network.layers}
+    switching_layers = [layer for layer in network.layers if OPS[layer.op].switches and layer.inputs[0] >= 0]
+    for layer in switching_layers:
+        rules[layer.inputs[0]].record = True
+    references = {"loss": np.asarray(trace.loss, np.float64), "output": np.asarray(trace.output, np.float64)}
+    squares = {name: 0.0 for name in FORWARD_QUANTITIES}
+    for _ in range(samples):
+        run = forward_backward(problem, "float64", trace.device, rules=rules, backward=False)
+        for name, value in (("loss", run.loss), ("output", run.output)):
+            squares[name] = squares[name] + (np.asarray(value, np.float64) - references[name]) ** 2
+    flips = {}
+    for layer in switching_layers:
+        source = rules[layer.inputs[0]]
+        x = trace.value(layer.inputs[0]).to(torch.float64)
+        mean, spread, expected = OPS[layer.op].switch_flips(layer.attrs, x, source.squares / samples,
+                                                           trace.grad_at(layer.index).to(torch.float64), samples)
+        rules[layer.index].flips = (mean, spread)
+        flips[layer.name or f"layer {layer.index}"] = expected
+    for rule in rules.values():
+        rule.record, rule.squares, rule.frozen = False, None, True
+    rules["loss"] = SampledLoss(LOSSES[network.loss], draw, u, precision if precision in formats.STORED_FORMATS
+                                else None, loss_scale)
+    directions = {}
+    for name in network.parameter_names:
+        g = np.asarray(trace.grads[name], np.float64)
+        size = float(np.linalg.norm(g))
+        directions[name] = g / size if size > 0 else g
+        references[name], squares[name] = g, 0.0
+    along = {name: 0.0 for name in network.parameter_names}
+    for _ in range(samples):
+        run = forward_backward(problem, "float64", trace.device, rules=rules)
+        for name in network.parameter_names:
+            deviation = np.asarray(run.grads[name], np.float64) - references[name]
+            squares[name] = squares[name] + deviation * deviation
+            along[name] += float(np.sum(deviation * directions[name])) ** 2
+    c = factor_for(samples)
+    upstream = {name: c * np.sqrt(np.asarray(total) / samples) for name, total in squares.items()}
+    return ReducedBounds(upstream, {name: c * math.sqrt(total / samples) for name, total in along.items()}, flips,
+                         samples)
+
+
+__all__ = ["ELEMENT_LIMIT", "FACTOR", "FORWARD_QUANTITIES", "REDUCED_SAMPLES", "ReducedBounds", "SAMPLES", "applies",
+           "factor_for", "reduced_upstream_bounds", "deviations", "failure_probability", "upstream_bounds"]

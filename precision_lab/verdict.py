@@ -129,7 +129,7 @@ def judge(result: Result, reference: Trace, claimed_precision: str = "float32", 
     """
     formats.unit_roundoff(claimed_precision)  # unknown precision → ValueError naming the choices
     storage = formats.STORAGE_DTYPE[claimed_precision]
-    bounds = errmodel.error_bounds(reference, claimed_precision)
+    bounds = errmodel.error_bounds(reference, claimed_precision, loss_scale=result.meta.get("loss_scale", 1.0))
     quantities = compare(result, reference, bounds, storage)
     judgement = Judgement(candidate or result.meta.get("candidate", ""), claimed_precision, "roundoff", quantities,
                           model=_model_summary(reference, claimed_precision),

@@ -53,6 +53,7 @@ class Candidate:
     meta: dict = field(default_factory=dict)
     applies: Callable | None = None  # network → bool: whether this candidate means anything for it
     network: object | None = None  # the network an external candidate computes (None: whatever the problem says)
+    loss_scale: float = 1.0  # a float16 program's loss scale (its gradients are rounded scaled: formats, roundoff)
 
     def compute(self, problem: Problem, precision: str = "float32", device: str | torch.device = "cpu") -> Result:
         if precision not in ("float32", "float64"):
@@ -72,6 +73,8 @@ class Candidate:
             result = self.run(problem, precision, device)
         result.meta.setdefault("candidate", self.name)
         result.meta.setdefault("claimed_precision", self.claimed_precision if precision == "float32" else "float64")
+        if precision == "float32" and self.loss_scale != 1.0:
+            result.meta.setdefault("loss_scale", self.loss_scale)
         return result
 
     def supports(self, device: str | torch.device) -> bool:
@@ -95,7 +98,7 @@ class Candidate:
     def describe(self) -> dict:
         return {"name": self.name, "description": self.description, "family": self.family,
                 "claimed_precision": self.claimed_precision, "weight_layout": self.weight_layout,
-                "has_float64": self.has_float64, "expected": self.expected,
+                "has_float64": self.has_float64, "expected": self.expected, "loss_scale": self.loss_scale,
                 "expected_detail": self.expected_detail, **self.meta}
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from .. import formats
-from ..compute import Result, autograd_forward_backward, forward_backward
+from ..compute import Result, autocast_forward_backward, autograd_forward_backward, forward_backward
 from ..layout import from_layout, to_layout
 from ..ops import Kernels
 from ..problem import Problem
@@ -70,6 +70,39 @@ def emulated(fmt: str, passes=Kernels.PASSES):
 
     return run
 
+
+def autocast(fmt: str, loss_scale: float = 1.0):
+    """PyTorch autograd under torch.autocast(dtype=fmt) on the problem's device, the loss multiplied by `loss_scale`
+    before the backward and the gradients divided by it after, as GradScaler does (the float64 build: none)."""
+    def run(problem: Problem, precision: str, device: torch.device) -> Result:
+        if precision == "float64":
+            return autograd_forward_backward(problem, "float64", device)
+        return autocast_forward_backward(problem, fmt, device, loss_scale)
+
+    return run
+
+
+#: GradScaler's initial scale (torch.amp.GradScaler(init_scale=2.0**16)): what a float16 program starts from
+GRAD_SCALER_INIT = 2.0 ** 16
+
+register(Candidate(
+    name="autocast-bfloat16",
+    description="PyTorch autograd under torch.autocast with bfloat16 (results stored in bfloat16), claimed as bfloat16",
+    run=autocast("bfloat16"), claimed_precision="bfloat16",
+))
+
+register(Candidate(
+    name="autocast-float16",
+    description="PyTorch autograd under torch.autocast with float16 and GradScaler's initial loss scale 2^16, claimed "
+                "as float16 with that scale",
+    run=autocast("float16", GRAD_SCALER_INIT), claimed_precision="float16", loss_scale=GRAD_SCALER_INIT,
+))
+
+register(Candidate(
+    name="autocast-bfloat16-as-float32",
+    description="PyTorch autograd under torch.autocast with bfloat16, claimed as float32 (autocast left on)",
+    run=autocast("bfloat16"), expected="reduced-precision", expected_detail="bfloat16",
+))
 
 register(Candidate(
     name="tf32-emulated",

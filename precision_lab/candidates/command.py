@@ -5,7 +5,9 @@ The candidate YAML::
     name: my-impl
     command: [./impl, "{request}", "{response}"]            # the build as claimed
     command_float64: [./impl64, "{request}", "{response}"]  # optional: the float64 recompilation
-    precision: float32          # claimed arithmetic: float32|float64|tf32|bfloat16|float16
+    precision: float32          # claimed arithmetic: float32|float64|tf32|bfloat16|float16 (autocast-bfloat16 and
+                                # autocast-float16 are bfloat16 and float16: torch.autocast's results are covered)
+    loss_scale: 65536           # float16 only, optional: the loss scale the program multiplies its loss by
     weight_layout: OIHW         # any permutation of O, I, H, W
     timeout_s: 600
     request_format: npz         # optional: npz (default) or raw (column-major .bin files)
@@ -46,7 +48,7 @@ from ..problem import Problem
 from . import Candidate, CandidateError
 
 KEYS = ("name", "description", "command", "command_float64", "precision", "weight_layout", "timeout_s",
-        "request_format", "env", "model", "start")
+        "request_format", "env", "model", "start", "loss_scale")
 REQUEST_FORMATS = ("npz", "raw")
 #: variables passed through from the lab's environment when set (the rest is not inherited)
 PASSTHROUGH_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES",
@@ -107,6 +109,20 @@ def _choice(path: Path, spec: dict, key: str, default: str, choices) -> str:
     return value
 
 
+def _loss_scale(path: Path, spec: dict, precision: str) -> float:
+    """A float16 claim's loss scale (≥ 1; 1, no scaling, covers every scale); no other claim takes one."""
+    if "loss_scale" not in spec:
+        return 1.0
+    value = spec["loss_scale"]
+    if precision != "float16":
+        raise CommandCandidateError(f"{path}: key 'loss_scale' belongs to a float16 claim (precision is {precision}): "
+                                    f"remove it, or claim float16")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < 2 ** 64:
+        raise CommandCandidateError(f"{path}: key 'loss_scale' is {value!r}, expected a number ≥ 1 (what the program "
+                                    f"multiplies its loss by before the backward, e.g. GradScaler's 65536)")
+    return float(value)
+
+
 def _timeout(path: Path, spec: dict) -> float:
     value = spec.get("timeout_s", 600)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -135,7 +151,9 @@ def load_command_candidate(path: str | Path) -> Candidate:
     network = _network(path, spec)
     if not isinstance(name, str) or not name.strip():
         raise CommandCandidateError(f"{path}: key 'name' must be a non-empty string")
-    precision = _choice(path, spec, "precision", "float32", formats.PRECISIONS)
+    precision = formats.claim(_choice(path, spec, "precision", "float32",
+                                      formats.PRECISIONS + tuple(formats.AUTOCAST_ALIASES)))
+    loss_scale = _loss_scale(path, spec, precision)
     layout = spec.get("weight_layout", "OIHW")
     try:
         check_layout(layout)
@@ -149,6 +167,7 @@ def load_command_candidate(path: str | Path) -> Candidate:
     description = spec.get("description") or f"external program {' '.join(program.commands['float32'])}"
     return Candidate(name=name, description=str(description), run=program.run, claimed_precision=precision,
                      weight_layout=layout, family="command", has_float64=program.commands["float64"] is not None,
+                     loss_scale=loss_scale,
                      meta={"yaml": str(path), "timeout_s": program.timeout_s, "model": network.name},
                      network=network)
 

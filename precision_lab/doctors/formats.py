@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from .. import errmodel, formats
-from ..compare import dot, norm, quantity_arrays
+from ..compare import CERTIFIABLE_FRACTION, bound_fraction, dot, norm, quantity_arrays, zero_to_reference_accuracy
 from ..compute import Result, Trace, forward_backward
 from ..device import torch_threads
 from ..findings import Finding
@@ -130,6 +130,31 @@ def name_format(pairs, reference: Trace, claimed: str, witnesses: list[str]) -> 
     return top[0], text, rows
 
 
+def _within_format(name: str, fmt: str, got, ref, bound, ratio: float) -> Finding:
+    """What a quantity beyond the claimed bound and within a coarser format's element bound is: that format only
+    where its bound could have failed it, below half the quantity (compare.CERTIFIABLE_FRACTION) and along the
+    gradient's own direction (compare.along); `inconclusive` where the bound is too large to tell (the probes or a
+    smaller problem settle it, decision.settle); a defect where the error leaves the format's along its direction."""
+    size = norm(ref)
+    if bound.along is not None and size > 0:
+        along_ratio = abs(dot(got - ref, ref) / size) / bound.along
+        if along_ratio > 1.0:
+            return Finding("beyond-format", name, name=fmt,
+                           evidence=f"within the {fmt} bound element by element (error ÷ bound {ratio:.3g}), but "
+                                    f"along the gradient's own direction {along_ratio:.3g}× what {fmt} rounding does "
+                                    "there: a scaled or partly lost gradient, not the format",
+                           numbers={"format_bound_ratio": ratio, "along_ratio": along_ratio})
+    fraction = bound_fraction(ref, bound.bound)
+    if fraction > CERTIFIABLE_FRACTION and not zero_to_reference_accuracy(ref, bound.bound):
+        return Finding("format-level", name, "inconclusive", fmt,
+                       f"beyond the claimed bound and within the {fmt} bound (error ÷ bound {ratio:.3g}), but that "
+                       f"bound is {fraction:.3g}× the quantity (above {CERTIFIABLE_FRACTION:g}): too large to tell "
+                       f"{fmt} from a defect on this problem; the probes or a smaller problem settle it",
+                       {"format_bound_ratio": ratio})
+    return Finding("format-level", name, "reduced-precision", fmt, f"within the {fmt} bound (error ÷ bound {ratio:.3g})",
+                   {"format_bound_ratio": ratio})
+
+
 def _is_isolated(q) -> bool:
     """One element beyond the bound, standing a format step (FORMAT_MATCH_FACTOR) above the next:
     a coarser format raises every element's error together, so it cannot make such an outlier."""
@@ -176,10 +201,10 @@ def precision(quantities, claimed: str, result: Result, reference: Trace, pairs,
                                                 f"finite everywhere (its worst case leaves no relative accuracy), so "
                                                 f"it excuses nothing", numbers={"format_bound_ratio": math.inf}))
                     elif ratio <= 1.0:
-                        named[name] = fmt
-                        findings.append(Finding("format-level", name, "reduced-precision", fmt,
-                                                f"within the {fmt} bound (error ÷ bound {ratio:.3g})",
-                                                {"format_bound_ratio": ratio}))
+                        finding = _within_format(name, fmt, got, ref, fmt_bounds[name], ratio)
+                        if finding.verdict == "reduced-precision":
+                            named[name] = fmt
+                        findings.append(finding)
                     else:
                         findings.append(Finding("beyond-format", name, name=fmt,
                                                 evidence=f"beyond even the {fmt} bound (error ÷ bound {ratio:.3g})",
@@ -289,11 +314,17 @@ def _excuse_by_named_format(quantities, pairs, reference: Trace, named: dict) ->
         if q.verdict != "defect" or q.layout_fix or not math.isfinite(q.bound_ratio) or name not in pairs or name in named:
             continue
         got, ref = pairs[name]
-        ratio = float(np.max(np.abs(got - ref) / errmodel.error_bounds(reference, fmt)[name].bound))  # cached per trace
+        bound = errmodel.error_bounds(reference, fmt)[name]  # cached per trace
+        ratio = float(np.max(np.abs(got - ref) / bound.bound))
         if ratio <= 1.0:
-            findings.append(Finding("format-excuse", name, "reduced-precision", fmt,
-                                    f"error ÷ bound {q.bound_ratio:.3g}, within the {fmt} bound (error ÷ bound "
-                                    f"{ratio:.3g}) of the format the fingerprint names on {witnesses}",
-                                    {"format_bound_ratio": ratio}))
+            finding = _within_format(name, fmt, got, ref, bound, ratio)
+            if finding.verdict == "reduced-precision":
+                finding = Finding("format-excuse", name, "reduced-precision", fmt,
+                                  f"error ÷ bound {q.bound_ratio:.3g}, within the {fmt} bound (error ÷ bound "
+                                  f"{ratio:.3g}) of the format the fingerprint names on {witnesses}",
+                                  {"format_bound_ratio": ratio})
+            elif finding.verdict == "inconclusive":
+                finding = Finding("format-excuse", name, "inconclusive", fmt, finding.evidence, finding.numbers)
+            findings.append(finding)
     return findings
 

@@ -210,6 +210,9 @@ class Op:
     # runs perturb by their rounding (precision_lab.sampled); None: its products read no rounded operand
     rounded_params: tuple[str, ...] | None = None
     rounds_inside = False  # its products read intermediates of its own (an attention block): no draw on its inputs reaches them
+    # its backward follows a decision of its forward (a ReLU's sign, a max pool's largest input): a reduced format's
+    # sampled runs take the decision from the reference and add its flips' mean and spread (switch_flips)
+    switches = False
 
     def expand(self, raw: dict) -> list[dict]:
         """The spec layers one written layer stands for (a convolution's "same" padding: a pad, then the conv)."""
@@ -317,6 +320,12 @@ class Op:
     def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u: float, lam: float) -> list:
         """Scale σ of the draw on each input gradient (None where exact or not needed)."""
         return [None] * len(need)
+
+    def switch_flips(self, attrs, x: torch.Tensor, variance: torch.Tensor, g: torch.Tensor, samples: int):
+        """For a switching op: (mean, standard deviation) of the change its flips make to its input gradient, and the
+        expected number of flips, given the reference input `x`, the variance of its deviation over `samples` forward
+        runs and the reference output gradient `g` (precision_lab.switching); None for any other op."""
+        return None
 
     # what a port gets wrong (the defect doctor's named hypotheses) -------------------------------
     def weight_grad_from(self, attrs, x: torch.Tensor, g: torch.Tensor, weight_shape: tuple, kernels: "Kernels"):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from . import Field, GradField, Op, OpSpecError, OtherAttributes, PortSlip, Rule, register, sparse_enough
 from .onnx_reading import OnnxRead, attr, followed_by, multiplies_by_itself, scalar, unary
-from .. import formats
+from .. import formats, switching
 
 #: z is read as its float32 rounding, |fl(z) − z| ≤ u₃₂·|z| (Higham 2002, Thm 2.2); 1 + 2u₃₂ covers that
 #: and the rounding of E·(1 + 2u₃₂) itself (1 + u₃₂ is not a float32: it would round to 1)
@@ -102,6 +102,7 @@ class ReLU(Op):
     slope = 0.0
 
     masks = True
+    switches = True
     #: groups in which a mask missing from every such layer is one hypothesis
     mask_groups = ("every ReLU's", "every ReLU and leaky ReLU")
 
@@ -143,6 +144,16 @@ class ReLU(Op):
 
     def derive_input_grad(self, attrs, g_out, x):
         return masked_by(g_out, x)
+
+    def negative_slope(self, attrs) -> float:
+        return 0.0
+
+    def switch_flips(self, attrs, x, variance, g, samples):
+        # a flip opens a closed element (x ≤ 0: the gradient passes, (1 − slope)·g more) or closes an open one
+        p = switching.kept(switching.flip_probability(x.abs(), variance, samples))
+        jump = torch.where(x > 0, -g, g) * (1.0 - self.negative_slope(attrs))
+        mean, spread = switching.bernoulli(jump, p)
+        return mean, spread, switching.expected_flips(p)
 
     def forward_error(self, attrs, ins, y, params, ctx):
         z, error = ins[0].value, ins[0].error
@@ -256,6 +267,9 @@ class LeakyReLU(ReLU):
 
     def describe(self, attrs):
         return f"leaky_relu {attrs['slope']:g}"
+
+    def negative_slope(self, attrs) -> float:
+        return attrs["slope"]
 
     def forward(self, attrs, xs, params, kernels):
         return F.leaky_relu(xs[0], attrs["slope"])

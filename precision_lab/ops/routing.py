@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from . import (REQUIRED, BackwardReplaced, Field, GradField, Op, OpSpecError, PortSlip, Rule, as_pair, dropping_slips,
                gamma_over_lambda, gather_radius, register, spread)
+from .. import switching
 from .onnx_reading import (OnnxRead, attr, flattens_each_sample, nearest_scale, pool_window, require, unary,
                            zero_pads)
 
@@ -138,6 +139,7 @@ class Pool(Op):
 
 class MaxPool2d(Pool):
     name = "max_pool2d"
+    switches = True
 
     torch_modules = (torch.nn.MaxPool2d,)
     torch_calls = (F.max_pool2d,)
@@ -164,6 +166,23 @@ class MaxPool2d(Pool):
         memo = {"contenders": contenders * switching.unsqueeze(2), "switch_count": count} if count else {}
         radius = ins[0].radius if error is None else spread(ins[0].radius, self.reach(attrs), attrs["stride"][0])
         return Field(y, out_error, radius, ins[0].flips + count, memo)
+
+    def switch_flips(self, attrs, x, variance, g, samples):
+        # a window's gradient goes to another element j instead of its largest m when e_j − e_m crosses x_m − x_j:
+        # + g at j, − g at m, with σ(e_j − e_m) ≤ σ_j + σ_m
+        values = self._windows(attrs, x, fill=-torch.finfo(x.dtype).max)
+        sigmas = self._windows(attrs, variance.sqrt())
+        top, where = values.max(dim=2, keepdim=True)
+        spread = sigmas + sigmas.gather(2, where)
+        p = switching.flip_probability(top - values, spread * spread, samples)
+        p = switching.kept(p.scatter(2, where, torch.zeros_like(top)))
+        window_grad = g.flatten(2).unsqueeze(2)
+        mean, deviation = switching.bernoulli(window_grad.expand_as(p), p)
+        variance_w = deviation * deviation
+        mean = mean.scatter(2, where, -mean.sum(dim=2, keepdim=True))
+        variance_w = variance_w.scatter(2, where, variance_w.sum(dim=2, keepdim=True))
+        return (self._fold(attrs, mean, x.shape), self._fold(attrs, variance_w, x.shape).sqrt(),
+                switching.expected_flips(p))
 
     def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
         if not need[0]:
