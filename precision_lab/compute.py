@@ -301,11 +301,18 @@ def autocast_forward_backward(problem: Problem, fmt: str, device: str | torch.de
         for name, value in module.named_parameters():
             value.copy_(params[name])
     module.carry({name: params[name] for name in problem.masks})
-    with torch.autocast(device.type, dtype=AUTOCAST_DTYPES[fmt]):
-        y = module(x)
-        loss = module.loss(y, target)
-    (loss.float() * loss_scale).backward()
+    while True:
+        module.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=AUTOCAST_DTYPES[fmt]):
+            y = module(x)
+            loss = module.loss(y, target)
+        (loss.float() * loss_scale).backward()
+        finite = all(bool(torch.isfinite(value.grad).all()) for value in module.parameters())
+        if finite or loss_scale <= 1.0:
+            break
+        loss_scale = max(1.0, loss_scale / 2)  # GradScaler's backoff: a scaled gradient overflowed, step skipped
     grads = {name: (value.grad / loss_scale).detach().cpu().numpy().astype(np.float32)
              for name, value in module.named_parameters()}
     return Result(float(loss.detach().float()), {n: grads[n] for n in network.parameter_names},
-                  y.detach().float().cpu().numpy(), "float32", {"conv": f"autocast-{fmt}", "device": str(device)})
+                  y.detach().float().cpu().numpy(), "float32",
+                  {"conv": f"autocast-{fmt}", "device": str(device), "loss_scale": loss_scale})

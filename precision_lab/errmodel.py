@@ -207,8 +207,29 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32) if t.is_floating_point() else t
 
 
+def _storage(magnitude: np.ndarray, precision: str) -> np.ndarray:
+    """One rounding to a stored format of values up to `magnitude`: u_f·|x| + η_f/2."""
+    return formats.unit_roundoff(precision) * magnitude + SUBNORMAL_SPACING[precision] / 2
+
+
+def _storage_bias(bias: torch.Tensor, shape, precision: str) -> np.ndarray:
+    """A bias's rounding to the format, per channel, broadcast over an output of `shape` (batch, channels, …)."""
+    per_channel = _storage(np.abs(bias.double().cpu().numpy()), precision)
+    return per_channel.reshape((1, -1) + (1,) * (len(shape) - 2)) if len(shape) >= 2 else per_channel
+
+
+def _stored(error: torch.Tensor | None, value: torch.Tensor, precision: str) -> torch.Tensor:
+    """An error bound after the value is kept in a stored format: plus u_f·(|value| + error) + η_f/2."""
+    magnitude = value.abs().to(torch.float32) if error is None else value.abs().to(torch.float32) + error
+    rounding = magnitude.mul_(formats.unit_roundoff(precision)).add_(SUBNORMAL_SPACING[precision] / 2)
+    return rounding if error is None else error + rounding
+
+
 def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, QuantityBound]:
     network = trace.network
+    # autocast keeps results in bfloat16 or float16: every layer that computes (not a selection), every gradient, the
+    # output and the parameter gradients round once more (formats.STORED_FORMATS)
+    stored = precision in formats.STORED_FORMATS
     u = formats.unit_roundoff(accumulation_precision(precision))
     # S of a weight gradient is the same in every claim's bound: the trace's meta keeps it for the next claim's
     ctx = BoundContext(precision, u, lam, bound_kernels(trace.device), shared=trace.meta.setdefault("shared_sums", {}))
@@ -234,6 +255,8 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
             field = op.forward_error(layer.attrs, inputs, y, layer_params(params, layer), ctx)
         # errors shared across the batch (a batch norm's statistics) stay shared in everything computed from them
         field.coupled = field.coupled or any(f.coupled for f in inputs)
+        if stored and layer.index != last:  # a result kept in the format: one more rounding (a selection's is exact,
+            field.error = _stored(field.error, y, precision)  # counted anyway: this bound is the large problems')
         fields[layer.index] = field
         for i in layer.inputs:
             remaining_readers[i] -= 1
@@ -246,6 +269,12 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
         error = output_field.error if output_field.error is not None else torch.zeros_like(_f32(output_field.value))
         out["output"] = _quantity("output", Parts(1, _f32(output_field.value).abs(), error, 0.0, 0.0,
                                                   output_field.flips), u)
+    if stored:  # the network's output kept in the format, and a bias it rounds (autocast casts it with the weight)
+        extra = _storage(np.abs(np.asarray(trace.output, np.float64)) + out["output"].bound, precision)
+        if network.layers[last].name and f"{network.layers[last].name}.bias" in params:
+            extra = extra + _storage_bias(params[f"{network.layers[last].name}.bias"], out["output"].bound.shape,
+                                          precision)
+        out["output"].bound = out["output"].bound + extra
 
     # the loss: its bound, and the error of ∂loss/∂output that starts the backward
     loss_parts, grad_field = LOSSES[network.loss].bound(output_field, trace.target, trace.loss, ctx)
@@ -262,6 +291,8 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
             continue
         g = _f32(trace.grad_at(layer.index))
         grad = _combine(contributions, g, ctx)
+        if stored:  # the gradient kept in the format (scaled by the loss scale first: 1 covers every scale)
+            grad.error = _stored(grad.error, g, precision)
         need = [i >= 0 for i in layer.inputs]
         inputs = [fields[i] for i in layer.inputs]
         ctx.at_layer(~layer.index)  # the backward rule's sums apart from the forward's
@@ -270,6 +301,9 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
         for suffix, part in parts.items():
             name = f"{layer.name}.{suffix}"
             out[name] = _quantity(name, part, u, network.param_shapes[name])
+            if stored:  # the parameter gradient kept in the format before it is cast back
+                out[name].bound = out[name].bound + _storage(np.abs(np.asarray(trace.grads[name], np.float64))
+                                                             + out[name].bound, precision)
         for i, field in zip(layer.inputs, input_grads):
             if field is not None:
                 field.coupled = field.coupled or grad.coupled or any(f.coupled for f in inputs)

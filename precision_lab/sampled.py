@@ -139,7 +139,9 @@ class SampledOp:
         """This run's rounded inputs and parameters: one draw per operand element, read by the forward and by the
         backward of the same run, as the candidate reads the same rounded value in both (its effect on this op's own
         parameter gradients is then counted twice, here and in errmodel's own part: conservative)."""
-        rounded = {k: self._rounded(v) if k in self.op.rounded_params else v for k, v in params.items()}
+        # autocast casts a bias to the format with the weight (a tensor core adds it in float32: covered too)
+        names = set(self.op.rounded_params) | ({"bias"} if self.stored is not None else set())
+        rounded = {k: self._rounded(v) if k in names else v for k, v in params.items()}
         self.run_operands = ([self._rounded(x) for x in xs], rounded)
         return self.run_operands
 

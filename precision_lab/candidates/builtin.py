@@ -82,13 +82,19 @@ def autocast(fmt: str, loss_scale: float = 1.0):
     return run
 
 
+def _autocast_runs(network) -> bool:
+    """Whether PyTorch's CPU autocast runs the network: an evaluation-mode batch norm of a bfloat16 input with float32
+    running statistics is refused there ("mixed dtype (CPU)"), as it is for any user."""
+    return not any(layer.op == "batch_norm2d" and not layer.attrs.get("training", True) for layer in network.layers)
+
+
 #: GradScaler's initial scale (torch.amp.GradScaler(init_scale=2.0**16)): what a float16 program starts from
 GRAD_SCALER_INIT = 2.0 ** 16
 
 register(Candidate(
     name="autocast-bfloat16",
     description="PyTorch autograd under torch.autocast with bfloat16 (results stored in bfloat16), claimed as bfloat16",
-    run=autocast("bfloat16"), claimed_precision="bfloat16",
+    run=autocast("bfloat16"), claimed_precision="bfloat16", applies=_autocast_runs,
 ))
 
 register(Candidate(
@@ -96,12 +102,13 @@ register(Candidate(
     description="PyTorch autograd under torch.autocast with float16 and GradScaler's initial loss scale 2^16, claimed "
                 "as float16 with that scale",
     run=autocast("float16", GRAD_SCALER_INIT), claimed_precision="float16", loss_scale=GRAD_SCALER_INIT,
+    applies=_autocast_runs,
 ))
 
 register(Candidate(
     name="autocast-bfloat16-as-float32",
     description="PyTorch autograd under torch.autocast with bfloat16, claimed as float32 (autocast left on)",
-    run=autocast("bfloat16"), expected="reduced-precision", expected_detail="bfloat16",
+    run=autocast("bfloat16"), expected="reduced-precision", expected_detail="bfloat16", applies=_autocast_runs,
 ))
 
 register(Candidate(
