@@ -46,8 +46,10 @@ def read_buffer(buffer: GradBuffer, canonical_shape, held: str, flipped: tuple[s
     return np.flip(canonical, axis=axes) if axes else canonical
 
 
-def layout_fits(buffer: GradBuffer, ref: np.ndarray, bound: np.ndarray) -> list[tuple[str, tuple[str, ...]]]:
-    """Transforms that bring the buffer within `bound` of `ref`, simplest first (the declared reading excluded)."""
+def layout_fits(buffer: GradBuffer, ref: np.ndarray, bound: np.ndarray,
+                along: float | None = None) -> list[tuple[str, tuple[str, ...]]]:
+    """Transforms that bring the buffer within `bound` of `ref`, simplest first (the declared reading excluded), and
+    within `along` of it along ref's own direction where that bound is given (errmodel.QuantityBound.along)."""
     declared = layout_for(ref.ndim, buffer.declared) if len(buffer.declared) == 4 else buffer.declared
     candidates = [(held, flipped) for held, flipped in transforms(ref.ndim) if (held, flipped) != (declared, ())]
     # simplest first: fewest axes out of place and flips, then the shortest moves (a 1×1 kernel's OIHW read as IOHW
@@ -57,9 +59,14 @@ def layout_fits(buffer: GradBuffer, ref: np.ndarray, bound: np.ndarray) -> list[
     fits = []
     for held, flipped in candidates:
         fixed = read_buffer(buffer, ref.shape, held, flipped)
-        if float(np.max(np.abs(fixed - ref) / bound)) <= 1.0:
+        if float(np.max(np.abs(fixed - ref) / bound)) <= 1.0 and (along is None or _along_within(fixed, ref, along)):
             fits.append((held, flipped))
     return fits
+
+
+def _along_within(fixed: np.ndarray, ref: np.ndarray, along: float) -> bool:
+    size = float(np.linalg.norm(ref))
+    return size == 0 or abs(float(np.sum((fixed - ref) * ref)) / size) <= along
 
 
 def layout_advice(name: str, buffer: GradBuffer, held: str, flipped: tuple[str, ...], ndim: int,
@@ -96,7 +103,7 @@ def layouts(quantities, result: Result, reference: Trace, pairs, bounds) -> list
         if ref.ndim not in (2, 4):
             continue
         buffer = buffer_of(result, name, got)
-        fits = layout_fits(buffer, ref, bounds[name].bound)
+        fits = layout_fits(buffer, ref, bounds[name].bound, bounds[name].along)
         if not fits:
             continue
         declared = layout_for(ref.ndim, buffer.declared) if len(buffer.declared) == 4 else buffer.declared

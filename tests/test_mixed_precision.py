@@ -1,0 +1,150 @@
+"""Mixed precision: a right TF32/bfloat16/float16 program is roundoff under its own claim and reduced-precision under
+a float32 claim; a slip under either claim is a defect or a layout, never the format (docs/error-model.md,
+"Reduced formats")."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from precision_lab import switching
+from precision_lab.candidates import registry
+from precision_lab.candidates.command import CommandCandidateError, load_command_candidate
+from precision_lab.compute import autocast_forward_backward
+from precision_lab.model import load_model
+from precision_lab.problem import make_problem
+from precision_lab.reference import reference
+from precision_lab.verdict import judge
+
+SIZE = 128  # bfloat16's own error on the seed CNN is 1–2% of a gradient at 64²: a 10% element and a 3% scale show at 128²
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return make_problem(SIZE, 2, 0)
+
+
+@pytest.fixture(scope="module")
+def trace(problem):
+    return reference(problem)
+
+
+@pytest.fixture(scope="module")
+def autocast_bf16(problem):
+    return registry()["autocast-bfloat16"].compute(problem)
+
+
+@pytest.mark.parametrize("name, claim", [("autocast-bfloat16", "bfloat16"), ("autocast-float16", "float16"),
+                                         ("tf32-claimed", "tf32")])
+def test_a_right_mixed_precision_program_is_roundoff_under_its_claim(problem, trace, name, claim):
+    candidate = registry()[name]
+    result = candidate.compute(problem)
+    judgement = judge(result, trace, candidate.claimed_precision, name, fingerprint=False)
+    assert candidate.claimed_precision == claim
+    assert judgement.verdict == "roundoff", {n: (q.verdict, q.bound_ratio) for n, q in judgement.quantities.items()}
+    # the bound follows what the format does: within 100× of the error somewhere in every quantity but the loss
+    ratios = {n: q.bound_ratio for n, q in judgement.quantities.items() if n != "loss"}
+    assert all(0.01 <= r <= 1.0 for r in ratios.values()), ratios
+
+
+def test_a_right_autocast_program_claimed_float32_is_the_format(trace, autocast_bf16):
+    judgement = judge(autocast_bf16, trace, "float32", "autocast", fingerprint=True)
+    assert judgement.verdict == "reduced-precision" and judgement.format == "bfloat16"
+    named = [q for q in judgement.quantities.values() if q.verdict == "reduced-precision"]
+    assert named and all(q.format_bound_ratio <= 1.0 for q in named)
+
+
+def _slipped(result, name: str, how):
+    slipped = replace(result, grads=dict(result.grads))
+    slipped.grads[name] = how(np.array(result.grads[name])).astype(np.float32)
+    return slipped
+
+
+def _one_element(g):
+    g[np.unravel_index(np.argmax(np.abs(g)), g.shape)] *= 1.1
+    return g
+
+
+SLIPS = {
+    "a weight gradient 5% large": ("conv2.weight", lambda g: g * 1.05),
+    "one element 10% large": ("conv2.weight", _one_element),
+    "a zeroed first layer": ("conv1.weight", np.zeros_like),
+    "a bias halved (a mean over twice the count)": ("conv3.bias", lambda g: g * 0.5),
+}
+
+
+@pytest.mark.parametrize("claim", ["bfloat16", "float32"])
+@pytest.mark.parametrize("slip", list(SLIPS))
+def test_a_slip_under_autocast_is_a_defect_under_either_claim(trace, autocast_bf16, claim, slip):
+    name, how = SLIPS[slip]
+    judgement = judge(_slipped(autocast_bf16, name, how), trace, claim, slip, fingerprint=claim == "float32")
+    assert judgement.verdict == "defect", (slip, claim, judgement.quantities[name].verdict,
+                                           judgement.quantities[name].evidence)
+    assert judgement.quantities[name].verdict == "defect"
+
+
+def test_a_bias_from_one_sample_of_the_batch_is_a_defect(problem, trace):
+    candidate = registry()["autocast-bfloat16"]
+    result = candidate.compute(problem)
+    one = candidate.compute(problem.with_batch(0, 1))
+    result = _slipped(result, "conv1.bias", lambda g: one.grads["conv1.bias"] / problem.batch)
+    judgement = judge(result, trace, "bfloat16", "one sample", fingerprint=False)
+    assert judgement.quantities["conv1.bias"].verdict == "defect"
+
+
+def test_a_spatially_flipped_weight_gradient_under_bfloat16_is_a_layout(trace, autocast_bf16):
+    result = _slipped(autocast_bf16, "conv2.weight", lambda g: np.ascontiguousarray(g[:, :, ::-1, ::-1]))
+    judgement = judge(result, trace, "bfloat16", "flip", fingerprint=False)
+    assert judgement.verdict == "layout" and judgement.quantities["conv2.weight"].layout_fix
+
+
+def test_a_scaled_gradient_inside_its_element_bounds_is_caught_along_its_direction(trace, autocast_bf16):
+    """Each element of conv1.weight 3% large stays within its own bound (loose where flips can reach), but its
+    projection on the gradient's own direction is beyond what bfloat16's roundings and flips do there."""
+    from precision_lab import errmodel
+
+    bounds = errmodel.error_bounds(trace, "bfloat16")["conv1.weight"]
+    ref = np.asarray(trace.grads["conv1.weight"], np.float64)
+    got = np.asarray(autocast_bf16.grads["conv1.weight"], np.float64) * 1.03
+    assert np.max(np.abs(got - ref) / bounds.bound) <= 1.0  # inside every element's bound
+    judgement = judge(_slipped(autocast_bf16, "conv1.weight", lambda g: g * 1.03), trace, "bfloat16", "scaled",
+                      fingerprint=False)
+    q = judgement.quantities["conv1.weight"]
+    assert q.verdict == "defect" and q.along_ratio > 1.0 and "direction" in q.evidence
+
+
+def test_gradscaler_backs_off_where_a_scaled_gradient_overflows():
+    network = load_model({"input_channels": 1, "layers": [
+        {"name": "conv1", "op": "conv2d", "in": 1, "out": 4, "kernel": 3, "padding": 1},
+        {"name": "act", "op": "relu"},
+        {"name": "conv2", "op": "conv2d", "in": 4, "out": 1, "kernel": 3, "padding": 1}], "loss": "mse"})
+    problem = make_problem(16, 2, 0, network=network)
+    result = autocast_forward_backward(problem, "float16", "cpu", loss_scale=2.0 ** 40)
+    assert result.meta["loss_scale"] < 2.0 ** 40
+    assert all(np.isfinite(g).all() for g in result.grads.values())
+
+
+def test_flip_probabilities_leave_out_at_most_their_share():
+    margin = torch.linspace(0, 10, 10_001, dtype=torch.float64)
+    p = switching.flip_probability(margin, torch.ones_like(margin), 64)
+    assert float(p[0]) == 0.5 and bool((p[1:] <= p[:-1]).all())  # at most ½, falling with the margin
+    kept = switching.kept(p)
+    assert float((p - kept).sum()) <= switching.EXCLUDED and float(kept[0]) == 0.5
+    mean, spread = switching.bernoulli(torch.tensor([2.0], dtype=torch.float64), torch.tensor([0.25], dtype=torch.float64))
+    assert float(mean) == 0.5 and abs(float(spread) - 2.0 * np.sqrt(0.25 * 0.75)) < 1e-12
+
+
+def test_a_candidate_yaml_takes_the_autocast_names_and_a_float16_loss_scale(tmp_path):
+    program = tmp_path / "amp.yaml"
+    program.write_text("command: [python3, run.py, '{request}', '{response}']\nprecision: autocast-float16\n"
+                       "loss_scale: 65536\n")
+    candidate = load_command_candidate(program)
+    assert candidate.claimed_precision == "float16" and candidate.loss_scale == 65536.0
+    program.write_text("command: [python3, run.py, '{request}', '{response}']\nprecision: bfloat16\nloss_scale: 8\n")
+    with pytest.raises(CommandCandidateError, match="loss_scale.*float16"):
+        load_command_candidate(program)
+    program.write_text("command: [python3, run.py, '{request}', '{response}']\nprecision: float16\nloss_scale: 0.5\n")
+    with pytest.raises(CommandCandidateError, match="expected a number ≥ 1"):
+        load_command_candidate(program)
