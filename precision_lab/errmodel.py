@@ -274,7 +274,8 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
         if network.layers[last].name and f"{network.layers[last].name}.bias" in params:
             extra = extra + _storage_bias(params[f"{network.layers[last].name}.bias"], out["output"].bound.shape,
                                           precision)
-        out["output"].bound = out["output"].bound + extra
+        with np.errstate(over="ignore"):  # a |W|·E bound near float32's top becomes infinite: it certifies nothing
+            out["output"].bound = out["output"].bound + extra
 
     # the loss: its bound, and the error of ∂loss/∂output that starts the backward
     loss_parts, grad_field = LOSSES[network.loss].bound(output_field, trace.target, trace.loss, ctx)
@@ -302,8 +303,9 @@ def _error_bounds(trace: Trace, precision: str, lam: float) -> dict[str, Quantit
             name = f"{layer.name}.{suffix}"
             out[name] = _quantity(name, part, u, network.param_shapes[name])
             if stored:  # the parameter gradient kept in the format before it is cast back
-                out[name].bound = out[name].bound + _storage(np.abs(np.asarray(trace.grads[name], np.float64))
-                                                             + out[name].bound, precision)
+                with np.errstate(over="ignore"):
+                    out[name].bound = out[name].bound + _storage(np.abs(np.asarray(trace.grads[name], np.float64))
+                                                                 + out[name].bound, precision)
         for i, field in zip(layer.inputs, input_grads):
             if field is not None:
                 field.coupled = field.coupled or grad.coupled or any(f.coupled for f in inputs)
