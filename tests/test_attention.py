@@ -306,7 +306,11 @@ def test_every_zoo_verdict_is_right_on_a_vit_block(module_class):
 
     table = judge_zoo(make_problem(16, 2, 1, network=_converted(module_class)), "cpu")
     assert len(table) >= 24
-    wrong = table[~table["correct"]]
+    # an attention block's own products are not sampled for a reduced format (Op.rounds_inside): its |W|·E bound is
+    # too large to certify the format, so a format claimed float32 is inconclusive there, never excused as the format
+    unsampled = table["expected"].eq("reduced-precision") & table["verdict"].eq("inconclusive")
+    assert set(table[unsampled]["candidate"]) <= {"bf16-emulated", "autocast-bfloat16-as-float32"}
+    wrong = table[~table["correct"] & ~unsampled]
     assert wrong.empty, wrong[["candidate", "expected", "verdict", "detail", "worst_ratio"]].to_string()
 
 
