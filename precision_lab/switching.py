@@ -40,7 +40,8 @@ def kept(probability: torch.Tensor) -> torch.Tensor:
     """The probabilities with the least likely decisions set to 0, as long as those add up to at most EXCLUDED."""
     flat, _ = torch.sort(probability.reshape(-1))
     cumulative = torch.cumsum(flat, 0)
-    below = int(torch.searchsorted(cumulative, torch.tensor(EXCLUDED, dtype=cumulative.dtype)))
+    limit = torch.tensor(EXCLUDED, dtype=cumulative.dtype, device=cumulative.device)
+    below = int(torch.searchsorted(cumulative, limit))
     if below >= flat.numel():
         return torch.zeros_like(probability)
     return probability * (probability >= flat[below])
