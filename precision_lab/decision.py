@@ -190,7 +190,14 @@ def settle(main: Judgement, probes: list, float64_build: Float64Build | None = N
         for q in judgement.quantities.values():
             if before[id(judgement)][q.quantity] != "inconclusive":
                 continue
-            if judgement is main and q.quantity in vanished:
+            if judgement is main and q.quantity in vanished and q.format is not None:
+                # beyond the claimed bound, within a coarser format's, vanishing with the arithmetic: that format
+                ratio = float64_build.quantities[q.quantity]["ratio"]
+                q.verdict, q.settled_by, q.settled_ratios = ("reduced-precision", "the float64 build",
+                                                             {"err64 ÷ err32": ratio})
+                q.evidence = (f"{SETTLED}within the {q.format} bound and settled by the float64 build: its error "
+                              f"vanishes with the arithmetic (err64 ÷ err32 = {ratio:.2g})")
+            elif judgement is main and q.quantity in vanished:
                 ratio = float64_build.quantities[q.quantity]["ratio"]
                 q.verdict, q.settled_by, q.settled_ratios = "roundoff", "the float64 build", {"err64 ÷ err32": ratio}
                 q.evidence = (f"{SETTLED}settled by the float64 build: its error vanishes with the arithmetic "
