@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field, replace
+from .formats import UNIT_ROUNDOFF
 from .jsonable import json_safe
 from .verdict import CERTIFIABLE_FRACTION, Judgement, overall, worst
 
@@ -143,7 +144,8 @@ def not_rounding(main: Judgement, float64_build: Float64Build | None, spread: Sp
 
     A spread beyond the bound is a defect whatever the comparison said; an error that persists in float64 or
     stays O(1) of the gradient at every size is a defect where the bound alone passed it (a quantity already
-    named `layout` or `reduced-precision` keeps that name)."""
+    named `layout` or `reduced-precision` keeps that name; the sweep's fixed level does not override the sampled
+    bound of a coarser format a quantity is `inconclusive` within, `_within_reduced`)."""
     found = {}
     if spread is not None:
         for name, entry in spread.quantities.items():
@@ -162,12 +164,20 @@ def not_rounding(main: Judgement, float64_build: Float64Build | None, spread: Sp
     if scaling is not None:
         for name in scaling.defect_like:
             q = main.quantities.get(name)
-            if q is not None and name not in found and q.verdict in open_verdicts:
+            if q is not None and name not in found and q.verdict in open_verdicts and not _within_reduced(main, q):
                 found[name] = ("an error O(1) relative to the gradient at every size (not rounding error)",
                                f"max|error| ÷ max|g| ≥ {scaling.smallest_rel_err[name]:.3g} at every size "
                                f"{', '.join(map(str, scaling.sizes))}; no rounding mode reaches "
                                f"{scaling.defect_level:.3g}")
     return [(name, cause, evidence) for name, (cause, evidence) in found.items()]
+
+
+def _within_reduced(main: Judgement, q) -> bool:
+    """Whether a quantity is `inconclusive` inside the sampled bound of a format coarser than float32 (claimed, or
+    named by the format doctor): that derived bound, not the sweep's fixed level, says what the format reaches."""
+    coarse = q.format or main.claimed_precision
+    return (q.verdict == "inconclusive" and coarse in UNIT_ROUNDOFF
+            and UNIT_ROUNDOFF[coarse] > UNIT_ROUNDOFF["float32"])
 
 
 def settle(main: Judgement, probes: list, float64_build: Float64Build | None = None) -> None:

@@ -7,7 +7,7 @@ import torch
 from .. import formats
 from ..compute import Result, autocast_forward_backward, autograd_forward_backward, forward_backward
 from ..layout import from_layout, to_layout
-from ..ops import Kernels
+from ..ops import OPS, Kernels
 from ..problem import Problem
 from . import Candidate, register
 
@@ -85,7 +85,7 @@ def autocast(fmt: str, loss_scale: float = 1.0):
 def _autocast_runs(network) -> bool:
     """Whether PyTorch's CPU autocast runs the network: an evaluation-mode batch norm of a bfloat16 input with float32
     running statistics is refused there ("mixed dtype (CPU)"), as it is for any user."""
-    return not any(layer.op == "batch_norm2d" and not layer.attrs.get("training", True) for layer in network.layers)
+    return all(OPS[layer.op].autocast_cpu_runs(layer.attrs) for layer in network.layers)
 
 
 #: GradScaler's initial scale (torch.amp.GradScaler(init_scale=2.0**16)): what a float16 program starts from

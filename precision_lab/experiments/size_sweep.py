@@ -37,8 +37,9 @@ from . import cached_reference, decide_candidate, network_for, progress, summary
 
 EXPERIMENT = "03-size-sweep"
 
-#: a defect's error relative to |g| stays O(1): flagged above ten times the coarsest format's unit
-#: roundoff (bfloat16, 2⁻⁸) at every size, which no rounding mode the lab knows reaches
+#: a defect's error relative to |g| stays O(1): flagged above ten times bfloat16's unit roundoff (2⁻⁸) at every
+#: size; a bfloat16 or float16 program can reach it on a small problem, so a quantity inside its format's sampled
+#: bound is left to that bound (decision._within_reduced)
 DEFECT_REL_TO_GRAD = 10 * unit_roundoff("bfloat16")
 
 
@@ -186,6 +187,9 @@ def conclude(summary, table, fits, skipped=(), decisions: dict | None = None) ->
         alpha = float(weights.alpha_vs_S.median())
         defect_like = cand_fits[cand_fits.min_err_over_grad >= DEFECT_REL_TO_GRAD]
         decided = decisions[row.candidate].judgement() if decisions else None
+        if decided is not None:  # a quantity inside a coarser format's sampled bound is that bound's to judge
+            defect_like = defect_like[[decided.quantities[p].verdict == "defect" if p in decided.quantities else True
+                                       for p in defect_like.parameter]]
         detail = judgement_detail(decided) if decided is not None else ""
         if len(defect_like):
             level = format_range(defect_like.min_err_over_grad.min(), defect_like.min_err_over_grad.max())

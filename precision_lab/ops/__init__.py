@@ -265,6 +265,10 @@ class Op:
         another function, and errors shared across samples are marked `coupled` (Field)."""
         return False
 
+    def autocast_cpu_runs(self, attrs: dict) -> bool:
+        """Whether PyTorch's CPU autocast runs the op on a reduced-format input (False: PyTorch refuses it there)."""
+        return True
+
     # as PyTorch runs it (modules.SpecModule) -----------------------------------------------------
     def torch_module(self, attrs: dict, device=None, dtype=None):
         """The nn.Module holding a parametrised op's parameters (None: a functional op)."""

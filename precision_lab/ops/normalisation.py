@@ -475,6 +475,10 @@ class BatchNorm2d(Normalisation):
     def couples_batch(self, attrs):
         return attrs["training"]
 
+    def autocast_cpu_runs(self, attrs):
+        # evaluation mode: a bfloat16 input with float32 running statistics is "mixed dtype (CPU)" to PyTorch
+        return attrs["training"]
+
     def running(self, attrs, like):
         channels = like.shape[1]
         place = {"dtype": like.dtype, "device": like.device}
