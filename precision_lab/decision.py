@@ -9,6 +9,10 @@ candidate's verdict through `decide`. Its evidence, all of it numbers:
 * the run-to-run spread, when measured (`Spread`: max spread ÷ bound per quantity),
 * the size sweep's scaling, when measured (`Scaling`: error ÷ |g| at every size per quantity).
 
+The reference-free check (`model: opaque`, precision_lab.gradcheck) decides here too: its finite
+differences are the requested problem's comparisons, and its claimed-against-float64 build comparison
+is a `Float64Build` whose persisting errors are what make a quantity `defect`.
+
 `decide` copies the judgements it is given and never edits them, and reads the evidence in one
 fixed order of its own, so the order in which evidence arrives cannot change the outcome:
 
@@ -158,8 +162,9 @@ def not_rounding(main: Judgement, float64_build: Float64Build | None, spread: Sp
             q = main.quantities.get(name)
             if q is not None and name not in found and q.verdict in open_verdicts:
                 row = float64_build.quantities[name]
+                # the reference-free check states its own comparison of the two builds (gradcheck.builds)
                 found[name] = ("the error persists in the float64 build (not rounding error)",
-                               f"err64 ÷ err32 = {row['ratio']:.2g}; rounding predicts "
+                               row.get("evidence") or f"err64 ÷ err32 = {row['ratio']:.2g}; rounding predicts "
                                f"{float64_build.expected_ratio:.2g}, a defect ≈ 1")
     if scaling is not None:
         for name in scaling.defect_like:

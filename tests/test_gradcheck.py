@@ -248,6 +248,9 @@ def test_a_bug_in_the_float32_build_only_is_found_against_the_float64_build():
     assert tensor.directions[0].outcome == "agree"  # the float64 build is right ...
     assert tensor.comparison.bound_ratio > 1  # ... the float32 build differs from it at every point
     assert tensor.comparison.flagged >= 1 and "float32 build's gradient differs" in " ".join(tensor.evidence)
+    # the defect is the one decision's (decision.not_rounding's float64-build rule), not a rule of the check's own
+    assert result.causes == {"norm.bias": "the error persists in the float64 build (not rounding error)"}
+    assert result.to_json()["causes"] == result.causes
 
 
 def test_a_float32_only_single_element_bug_is_named_element_by_element():

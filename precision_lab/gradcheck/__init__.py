@@ -16,6 +16,7 @@ Parts:
 - `builds`: the claimed build against the float64 build
 - `segments`: float32-only programs, the loss difference against the gradient integrated along a segment
 - `groups`: a layer's tensors scaled together (no kink along the segment), and which member a disagreement names
+- `decided`: the check's evidence decided by the lab's one decision (`decision.decide`)
 - `results`: `GradCheck` and `TensorVerdict`, as text, JSON and a table
 """
 from .check import check_gradients

@@ -61,9 +61,10 @@ What the check spends its program calls on, in order:
    segment's direction is halved with the short stencil of 2. where it resolves the error
    (`_locate_float32_only`, with calls kept from the refinement for it).
 
-Verdicts: ``roundoff`` (the gradient is the derivative of the loss, to a stated resolution),
-``defect`` (with the tensor and the directional evidence) and ``inconclusive`` (the noise or
-kinks leave the question open; the report says what would settle it). Never a pass rate.
+Verdicts (decided by precision_lab.decision.decide, gradcheck.decided): ``roundoff`` (the gradient
+is the derivative of the loss, to a stated resolution), ``defect`` (with the tensor and the
+directional evidence) and ``inconclusive`` (the noise or kinks leave the question open; the report
+says what would settle it). Never a pass rate.
 """
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ import numpy as np
 from .. import compare, formats
 from ..errors import LabInputError
 from .builds import COMPARISON_LINES, PERSISTENCE_LIMIT, compare_builds, excess_limit, format_index, implied_format
+from .decided import decide_check, persists
 from .groups import GROUP_PANELS, Share, check_groups, group_suspects, scale_invariant
 from .localise import Located, localise
 from .noise import NOISE_MULTIPLIERS, NOISE_MULTIPLIERS_FLOAT32, NOISE_ULPS, Noise, measure_noise
@@ -199,7 +201,7 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
             _judge_tensor(tensor, claimed, has_float64)
         # a failing whole-vector direction no tensor explains: find the tensor by halving it
         whole_failing = [d for d in whole if d.outcome == "disagree"]
-        if whole_failing and not any(t.verdict == "defect" for t in tensors.values()):
+        if whole_failing and not any(t.verdict == "defect" or persists(t.comparison) for t in tensors.values()):
             located = localise(checker, whole_failing[0], shapes)
             for found in located:
                 for n in found.tensors:
@@ -227,12 +229,10 @@ def check_gradients(oracle: Oracle, base: dict[str, np.ndarray], seed: int = 0, 
                              f"{claimed} build's scaled by u64/u_{claimed}: does it really compute in float64?")
     finally:
         calls.close()
-    verdicts = [t.verdict for t in tensors.values()]
-    if loss_comparison is not None and loss_comparison.bound_ratio > 1:
-        verdicts.append("defect")
-    verdict = "defect" if "defect" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "roundoff")
-    return GradCheck(oracle.name, claimed, has_float64, verdict, tensors, whole, loss_comparison, noise,
-                     dict(calls.counts), budget, time.perf_counter() - started, calls.program_s, seed, notes)
+    decision = decide_check(oracle.name, claimed, tensors, loss_comparison)
+    return GradCheck(oracle.name, claimed, has_float64, decision.verdict, tensors, whole, loss_comparison, noise,
+                     dict(calls.counts), budget, time.perf_counter() - started, calls.program_s, seed, notes,
+                     decision=decision)
 
 
 def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, started, seed, notes) -> GradCheck:
@@ -263,8 +263,10 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
         words = f"{calls.left} calls left: too few for a segment of 4 panels per tensor (raise --max-calls)"
         tensors = {name: TensorVerdict(name, value.shape, "inconclusive", settle=words) for name, value in base.items()}
         calls.close()
-        return GradCheck(oracle.name, claimed, False, "inconclusive", tensors, [], None, noise, dict(calls.counts),
-                         budget, time.perf_counter() - started, calls.program_s, seed, notes + [words])
+        decision = decide_check(oracle.name, claimed, tensors)
+        return GradCheck(oracle.name, claimed, False, decision.verdict, tensors, [], None, noise, dict(calls.counts),
+                         budget, time.perf_counter() - started, calls.program_s, seed, notes + [words],
+                         decision=decision)
     # kinks the segments do not resolve: the short stencil of the float64 path (h = u^(1/3)·‖w‖, kinks stepped
     # around), which crosses few of them, with the calls left
     directions: dict[str, list[Direction]] = {name: [] for name in base}
@@ -345,10 +347,11 @@ def _float32_only(oracle, calls, base, at_base, noise, scales, rng, budget, star
             words = next(w for g, w in either if name in g)
             tensors[name].evidence.append(words)
             tensors[name].settle = f"{words}: more calls (--max-calls) for a segment that tells them apart"
-    verdicts = [t.verdict for t in tensors.values()] + ["defect"] * bool(unexplained or undecided)
-    verdict = "defect" if "defect" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "roundoff")
-    return GradCheck(oracle.name, claimed, False, verdict, tensors, [], None, noise, dict(calls.counts), budget,
-                     time.perf_counter() - started, calls.program_s, seed, notes + unexplained, undecided)
+    failing = unexplained + [f"one of {' or '.join(group)}" for group in undecided]
+    decision = decide_check(oracle.name, claimed, tensors, failing_groups=failing)
+    return GradCheck(oracle.name, claimed, False, decision.verdict, tensors, [], None, noise, dict(calls.counts),
+                     budget, time.perf_counter() - started, calls.program_s, seed, notes + unexplained, undecided,
+                     decision=decision)
 
 
 def _locate_float32_only(calls, checker, tensors, segments, base, scales, storage, step, multipliers, rng) -> None:
@@ -403,8 +406,10 @@ def _unresponsive(oracle, noise, build, precision, shapes, calls, budget, starte
     tensors = {name: TensorVerdict(name, shape, "inconclusive", math.nan, math.nan, [words], settle=settle)
                for name, shape in shapes.items()}
     calls.close()
-    return GradCheck(oracle.name, oracle.claimed_precision, bool(oracle.has_float64), "inconclusive", tensors, [], None,
-                     noise, dict(calls.counts), budget, time.perf_counter() - started, calls.program_s, seed, [words])
+    decision = decide_check(oracle.name, oracle.claimed_precision, tensors)
+    return GradCheck(oracle.name, oracle.claimed_precision, bool(oracle.has_float64), decision.verdict, tensors, [],
+                     None, noise, dict(calls.counts), budget, time.perf_counter() - started, calls.program_s, seed,
+                     [words], decision=decision)
 
 
 def _refine(checker: Checker, tensor_directions: dict[str, list[Direction]], whole: list[Direction],
@@ -462,9 +467,8 @@ def _judge_tensor(tensor: TensorVerdict, claimed: str, has_float64: bool) -> Non
     tensor.max_abs_err = max(comparison.max_abs_err, fd_abs if fd_verdict == "defect" else 0.0)
     tensor.bound_ratio = max(comparison.bound_ratio, fd_ratio if math.isfinite(fd_ratio) else 0.0)
     limit = excess_limit(claimed)
-    if comparison.bound_ratio > 1:
+    if persists(comparison):  # the evidence; decision.decide makes it a defect (decided.decide_check)
         worst = comparison.worst[0]
-        tensor.verdict = "defect"
         tensor.evidence.append(
             f"the {claimed} build's gradient differs from the float64 build's at every one of {comparison.points} nearby "
             f"points: {comparison.flagged} of {comparison.size} elements beyond {PERSISTENCE_LIMIT:g}× their rounding "

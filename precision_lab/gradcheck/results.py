@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ..jsonable import json_safe
 
 if TYPE_CHECKING:  # annotations only
+    from ..decision import Diagnosis
     from .builds import BuildComparison
     from .groups import Share
     from .localise import Located
@@ -75,6 +76,16 @@ class GradCheck:
     notes: list[str] = field(default_factory=list)
     #: sets of tensors one of which is wrong, where the check cannot tell which (a scaling segment of several)
     defect_in_one_of: list[list[str]] = field(default_factory=list)
+    #: the lab's one decision on this evidence (precision_lab.decision.Diagnosis, via gradcheck.decided)
+    decision: "Diagnosis | None" = None
+
+    @property
+    def causes(self) -> dict[str, str]:
+        """Each defect quantity's cause as the decision named it (e.g. an error persisting in the float64 build)."""
+        if self.decision is None:
+            return {}
+        return {name: q.cause for name, q in self.decision.main.quantities.items()
+                if q.verdict == "defect" and q.cause}
 
     @property
     def total_calls(self) -> int:
@@ -131,7 +142,7 @@ class GradCheck:
             "noise": {build: n.summary() for build, n in self.noise.items()},
             "cost": {"calls": self.total_calls, "calls_by_build": dict(self.calls), "budget": self.budget,
                      "wall_s": self.wall_s, "program_s": self.program_s},
-            "seed": self.seed, "notes": list(self.notes),
+            "seed": self.seed, "notes": list(self.notes), "causes": self.causes,
             "defect_in_one_of": [list(g) for g in self.defect_in_one_of]})
 
     def to_frame(self):
