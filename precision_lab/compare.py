@@ -70,6 +70,7 @@ class QuantityVerdict:
     evidence: str = ""
     format_bound_ratio: float | None = None  # max error ÷ the bound of the format that names it (reduced-precision)
     along_ratio: float | None = None  # the error's projection on the reference's direction ÷ its bound (reduced formats)
+    along_resolution: float | None = None  # that bound ÷ ‖g‖: the smallest scaling of the gradient it could see
     settled_by: str | None = None  # an inconclusive quantity made roundoff elsewhere: "the float64 build" or the problems
     settled_ratios: dict | None = None  # what settled it: err64 ÷ err32, or error ÷ bound on each other problem
     problem: str | None = None  # the probe it was judged on, where a decision took it from one (None: requested)
@@ -234,6 +235,7 @@ def along(q: QuantityVerdict, got: np.ndarray, ref: np.ndarray, bound: float) ->
         return
     projection = dot(got - ref, ref) / size
     q.along_ratio = abs(projection) / bound if bound > 0 else math.inf
+    q.along_resolution = bound / size
     if q.along_ratio > 1.0 and q.verdict in ("roundoff", "inconclusive"):
         q.verdict = "defect"
         q.evidence = (f"the error along the gradient's own direction is {projection / size:+.3g} of its size, "

@@ -343,7 +343,25 @@ class Diagnosis:
         if not self.probed:
             notes.append("unprobed: judged on the requested problem alone (probes off); boundary and indexing slips "
                          "that hide under this problem's bound are not ruled out")
+        hidden = self.hidden_scale()
+        if hidden is not None:
+            name, scale = hidden
+            notes.append(f"resolution: a slip that scales or drops part of a gradient by less than {scale:.2g} of its "
+                         f"norm ({name}) hides in {self.claimed_precision} rounding on this problem; the float64 build "
+                         f"of the same program (command_float64) shows one, as an error that persists")
         return notes
+
+    def hidden_scale(self) -> tuple[str, float] | None:
+        """(quantity, along-bound ÷ ‖g‖) of the coarsest gradient of a reduced-format claim judged without a float64
+        build: the size of a slip along the gradient that its format's own error could hide (compare.along)."""
+        if self.float64_build is not None:
+            return None
+        seen = [(q.along_resolution, name) for name, q in self.main.quantities.items()
+                if q.along_resolution is not None and q.verdict in ("roundoff", "inconclusive")]
+        if not seen:
+            return None
+        scale, name = max(seen)
+        return name, scale
 
     def spread_text(self) -> str | None:
         if self.spread is None:

@@ -115,6 +115,40 @@ def test_a_scaled_gradient_inside_its_element_bounds_is_caught_along_its_directi
     assert q.verdict == "defect" and q.along_ratio > 1.0 and "direction" in q.evidence
 
 
+def _under_bfloat16(problem, autocast_bf16, slip: str):
+    """The slip of a zoo defect carried by a bfloat16 program: the autocast run plus what the slip changes in float32,
+    and the slipped program's own float64 build."""
+    native, slipped = registry()["native"].compute(problem), registry()[slip].compute(problem)
+    grads = {n: (np.asarray(g, np.float64) + slipped.grads[n] - native.grads[n]).astype(np.float32)
+             for n, g in autocast_bf16.grads.items()}
+    return replace(autocast_bf16, grads=grads), registry()[slip].compute(problem, "float64")
+
+
+@pytest.mark.parametrize("slip", ["last-row-skipped", "first-column-skipped"])
+def test_a_slip_smaller_than_the_formats_own_error_is_stated_and_found_by_the_float64_build(problem, trace,
+                                                                                          autocast_bf16, slip):
+    """A weight-gradient loop one image row or column short moves conv1.weight by less than bfloat16's own error at
+    128² (no bound can tell them apart there): the decision says how large a slip can hide, the slip is below that,
+    and the same program's float64 build, where the slip persists and the rounding does not, makes it a defect."""
+    from precision_lab.decision import decide
+    from precision_lab.experiments.float64_recompilation import build_evidence
+
+    result, result64 = _under_bfloat16(problem, autocast_bf16, slip)
+    judgement = judge(result, trace, "bfloat16", slip, fingerprint=False)
+    alone = decide(judgement, probed=False)
+    name, hidden = alone.hidden_scale()
+    assert any(note.startswith("resolution:") for note in alone.notes())
+    ref = np.asarray(trace.grads["conv1.weight"], np.float64)
+    effect = np.asarray(result64.grads["conv1.weight"], np.float64) - ref  # the slip alone (float64: no rounding)
+    assert abs(float(np.sum(effect * ref))) / float(np.sum(ref * ref)) < hidden
+    names = problem.network.parameter_names
+    build = build_evidence(result, result64, trace, names, claimed="bfloat16")
+    decided = decide(judgement, probed=False, float64_build=build)
+    assert decided.verdict == "defect" and "conv1.weight" in build.persists
+    assert decided.main.quantities["conv1.weight"].cause.startswith("the error persists in the float64 build")
+    assert decided.hidden_scale() is None  # with the build, nothing is left to hide
+
+
 def test_gradscaler_backs_off_where_a_scaled_gradient_overflows():
     network = load_model({"input_channels": 1, "layers": [
         {"name": "conv1", "op": "conv2d", "in": 1, "out": 4, "kernel": 3, "padding": 1},

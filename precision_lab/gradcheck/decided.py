@@ -39,7 +39,7 @@ def _quantity(name: str, verdict: str, max_abs_err: float = math.nan, bound_rati
 
 def _row(comparison: BuildComparison, claimed: str) -> dict:
     finding = PERSISTS if persists(comparison) else WITHIN_SPREAD
-    return {"err32": comparison.max_abs_err, "err64": None, "ratio": None, "finding": finding,
+    return {"err32": comparison.max_abs_err, "err64": math.nan, "ratio": math.nan, "finding": finding,
             "evidence": (f"the {claimed} build differs from the float64 build by {comparison.persistent:.3g} at every "
                          f"one of {comparison.points} nearby points, {comparison.bound_ratio:.3g}× the bound "
                          f"{PERSISTENCE_LIMIT:g}× its rounding spread")}
