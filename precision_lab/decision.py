@@ -148,7 +148,7 @@ def not_rounding(main: Judgement, float64_build: Float64Build | None, spread: Sp
 
     A spread beyond the bound is a defect whatever the comparison said; an error that persists in float64 or
     stays O(1) of the gradient at every size is a defect where the bound alone passed it (a quantity already
-    named `layout` or `reduced-precision` keeps that name; the sweep's fixed level does not override the sampled
+    named `layout` keeps that name, and one named `reduced-precision` keeps it at every size; the sweep's fixed level does not override the sampled
     bound of a coarser format a quantity is `inconclusive` within, `_within_reduced`)."""
     found = {}
     if spread is not None:
@@ -160,7 +160,8 @@ def not_rounding(main: Judgement, float64_build: Float64Build | None, spread: Sp
     if float64_build is not None:
         for name in float64_build.persists:
             q = main.quantities.get(name)
-            if q is not None and name not in found and q.verdict in open_verdicts:
+            # a format explains an error only if exact arithmetic removes it: a named format persisting is not one
+            if q is not None and name not in found and q.verdict in open_verdicts + ("reduced-precision",):
                 row = float64_build.quantities[name]
                 # the reference-free check states its own comparison of the two builds (gradcheck.builds)
                 found[name] = ("the error persists in the float64 build (not rounding error)",
@@ -346,18 +347,20 @@ class Diagnosis:
         hidden = self.hidden_scale()
         if hidden is not None:
             name, scale = hidden
+            fmt = self.main.quantities[name].format or self.claimed_precision
             notes.append(f"resolution: a slip that scales or drops part of a gradient by less than {scale:.2g} of its "
-                         f"norm ({name}) hides in {self.claimed_precision} rounding on this problem; the float64 build "
+                         f"norm ({name}) hides in {fmt} rounding on this problem; the float64 build "
                          f"of the same program (command_float64) shows one, as an error that persists")
         return notes
 
     def hidden_scale(self) -> tuple[str, float] | None:
-        """(quantity, along-bound ÷ ‖g‖) of the coarsest gradient of a reduced-format claim judged without a float64
-        build: the size of a slip along the gradient that its format's own error could hide (compare.along)."""
+        """(quantity, along-bound ÷ ‖g‖) of the coarsest gradient within a reduced format's bound (claimed, or named by
+        the format doctor), judged without a float64 build: the size of a slip along the gradient that the format's
+        own error could hide (compare.along, doctors.formats)."""
         if self.float64_build is not None:
             return None
         seen = [(q.along_resolution, name) for name, q in self.main.quantities.items()
-                if q.along_resolution is not None and q.verdict in ("roundoff", "inconclusive")]
+                if q.along_resolution is not None and q.verdict in ("roundoff", "inconclusive", "reduced-precision")]
         if not seen:
             return None
         scale, name = max(seen)

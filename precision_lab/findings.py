@@ -65,6 +65,7 @@ def apply(comparisons: dict, findings: list[Finding]) -> dict:
                     q.layout_fix = deciding.name
                 else:
                     q.format, q.format_bound_ratio = deciding.name, deciding.numbers.get("format_bound_ratio")
+                    q.along_resolution = deciding.numbers.get("along_resolution", q.along_resolution)
                 q.evidence = deciding.evidence
         else:
             for f in mine:

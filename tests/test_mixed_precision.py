@@ -124,9 +124,10 @@ def _under_bfloat16(problem, autocast_bf16, slip: str):
     return replace(autocast_bf16, grads=grads), registry()[slip].compute(problem, "float64")
 
 
-@pytest.mark.parametrize("slip", ["last-row-skipped", "first-column-skipped"])
+@pytest.mark.parametrize("slip, claim", [("last-row-skipped", "bfloat16"), ("first-column-skipped", "bfloat16"),
+                                         ("last-row-skipped", "float32")])
 def test_a_slip_smaller_than_the_formats_own_error_is_stated_and_found_by_the_float64_build(problem, trace,
-                                                                                          autocast_bf16, slip):
+                                                                                          autocast_bf16, slip, claim):
     """A weight-gradient loop one image row or column short moves conv1.weight by less than bfloat16's own error at
     128² (no bound can tell them apart there): the decision says how large a slip can hide, the slip is below that,
     and the same program's float64 build, where the slip persists and the rounding does not, makes it a defect."""
@@ -134,15 +135,16 @@ def test_a_slip_smaller_than_the_formats_own_error_is_stated_and_found_by_the_fl
     from precision_lab.experiments.float64_recompilation import build_evidence
 
     result, result64 = _under_bfloat16(problem, autocast_bf16, slip)
-    judgement = judge(result, trace, "bfloat16", slip, fingerprint=False)
+    judgement = judge(result, trace, claim, slip, fingerprint=claim == "float32")
     alone = decide(judgement, probed=False)
+    assert alone.verdict == ("roundoff" if claim == "bfloat16" else "reduced-precision")  # the bound cannot see it
     name, hidden = alone.hidden_scale()
     assert any(note.startswith("resolution:") for note in alone.notes())
     ref = np.asarray(trace.grads["conv1.weight"], np.float64)
     effect = np.asarray(result64.grads["conv1.weight"], np.float64) - ref  # the slip alone (float64: no rounding)
     assert abs(float(np.sum(effect * ref))) / float(np.sum(ref * ref)) < hidden
     names = problem.network.parameter_names
-    build = build_evidence(result, result64, trace, names, claimed="bfloat16")
+    build = build_evidence(result, result64, trace, names, claimed=claim)
     decided = decide(judgement, probed=False, float64_build=build)
     assert decided.verdict == "defect" and "conv1.weight" in build.persists
     assert decided.main.quantities["conv1.weight"].cause.startswith("the error persists in the float64 build")

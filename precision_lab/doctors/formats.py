@@ -136,6 +136,8 @@ def _within_format(name: str, fmt: str, got, ref, bound, ratio: float) -> Findin
     gradient's own direction (compare.along); `inconclusive` where the bound is too large to tell (the probes or a
     smaller problem settle it, decision.settle); a defect where the error leaves the format's along its direction."""
     size = norm(ref)
+    # the slip along ĝ the format's own error could hide (decision.Diagnosis.hidden_scale)
+    resolution = {"along_resolution": bound.along / size} if bound.along is not None and size > 0 else {}
     if bound.along is not None and size > 0:
         along_ratio = abs(dot(got - ref, ref) / size) / bound.along
         if along_ratio > 1.0:
@@ -150,9 +152,9 @@ def _within_format(name: str, fmt: str, got, ref, bound, ratio: float) -> Findin
                        f"beyond the claimed bound and within the {fmt} bound (error ÷ bound {ratio:.3g}), but that "
                        f"bound is {fraction:.3g}× the quantity (above {CERTIFIABLE_FRACTION:g}): too large to tell "
                        f"{fmt} from a defect on this problem; the probes or a smaller problem settle it",
-                       {"format_bound_ratio": ratio})
+                       {"format_bound_ratio": ratio, **resolution})
     return Finding("format-level", name, "reduced-precision", fmt, f"within the {fmt} bound (error ÷ bound {ratio:.3g})",
-                   {"format_bound_ratio": ratio})
+                   {"format_bound_ratio": ratio, **resolution})
 
 
 def _is_isolated(q) -> bool:
