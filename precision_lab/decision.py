@@ -127,12 +127,10 @@ def decide(requested: Judgement, probes=(), *, float64_build: Float64Build | Non
     main = _copy(requested)
     judged = [(run, _copy(judgement)) for run, judgement in probes]
     found = not_rounding(main, float64_build, spread, scaling)
-    for name, cause, evidence in found:
-        q = main.quantities[name]
-        q.verdict, q.cause, q.cause_slip, q.cause_layers, q.evidence = "defect", cause, cause, (), evidence
-        q.layout_fix, q.format, q.format_bound_ratio = None, None, None  # what named it before no longer does
-    if found:
-        main.cause = None  # re-derived by overall: the new defects may not share the doctors' cause
+    _not_rounding(main, found)
+    for run, judgement in judged:  # a probe's own float64 build (diagnosis.judge_probes) is read the same way
+        if getattr(run, "float64_build", None) is not None:
+            _not_rounding(judgement, not_rounding(judgement, run.float64_build, None, None))
     settle(main, judged, float64_build)
     overall(main)
     if found and main.cause in {cause for _, cause, _ in found}:
@@ -140,6 +138,16 @@ def decide(requested: Judgement, probes=(), *, float64_build: Float64Build | Non
     for _, judgement in judged:
         overall(judgement)
     return Diagnosis(main, judged, spread, probe_note, float64_build, probed, scaling)
+
+
+def _not_rounding(judgement: Judgement, found: list[tuple[str, str, str]]) -> None:
+    """Each quantity `not_rounding` found becomes a `defect` with its cause and evidence."""
+    for name, cause, evidence in found:
+        q = judgement.quantities[name]
+        q.verdict, q.cause, q.cause_slip, q.cause_layers, q.evidence = "defect", cause, cause, (), evidence
+        q.layout_fix, q.format, q.format_bound_ratio = None, None, None  # what named it before no longer does
+    if found:
+        judgement.cause = None  # re-derived by overall: the new defects may not share the doctors' cause
 
 
 def not_rounding(main: Judgement, float64_build: Float64Build | None, spread: Spread | None,
@@ -191,8 +199,9 @@ def settle(main: Judgement, probes: list, float64_build: Float64Build | None = N
 
     A quantity is `inconclusive` when its bound is too large against it to certify rounding (a deep network's
     |W|·E bound at a size too large to sample, precision_lab.sampled.ELEMENT_LIMIT). On the requested problem it
-    becomes `roundoff` when (a) the candidate's float64 build shows its error vanishing with the arithmetic
-    (err64 ÷ err32 below the recompilation's boundary), or (b) every probe certified it `roundoff` and its error
+    becomes `roundoff` when (a) the candidate's float64 build on that problem shows its error vanishing with the
+    arithmetic (err64 ÷ err32 below the recompilation's boundary; a probe's own build is run where its bound left a
+    quantity open, diagnosis.judge_probes), or (b) every probe certified it `roundoff` and its error
     here leaves the direction a certified quantity keeps (cosine ≥ CERTIFIED_COSINE). A probe's quantity is
     settled the same way by the requested problem and every other probe: a probe's bound cannot certify a
     quantity near zero there by chance (a one-element bias whose gradient is 1/20 of its bound on one probe of
@@ -200,21 +209,23 @@ def settle(main: Judgement, probes: list, float64_build: Float64Build | None = N
     verdict is what settles another: the order of the problems does not matter."""
     before = {id(j): {n: q.verdict for n, q in j.quantities.items()} for j in [main] + [j for _, j in probes]}
     problems = [("the requested problem", main)] + [(run.name, j) for run, j in probes]
-    vanished = set(float64_build.vanishes) if float64_build is not None else set()
+    builds = {id(main): float64_build, **{id(j): getattr(run, "float64_build", None) for run, j in probes}}
     for label, judgement in problems:
         others = [(name, j) for name, j in problems if j is not judgement]
+        build = builds[id(judgement)]
+        vanished = set(build.vanishes) if build is not None else set()
         for q in judgement.quantities.values():
             if before[id(judgement)][q.quantity] != "inconclusive":
                 continue
-            if judgement is main and q.quantity in vanished and q.format is not None:
+            if q.quantity in vanished and q.format is not None:
                 # beyond the claimed bound, within a coarser format's, vanishing with the arithmetic: that format
-                ratio = float64_build.quantities[q.quantity]["ratio"]
+                ratio = build.quantities[q.quantity]["ratio"]
                 q.verdict, q.settled_by, q.settled_ratios = ("reduced-precision", "the float64 build",
                                                              {"err64 ÷ err32": ratio})
                 q.evidence = (f"{SETTLED}within the {q.format} bound and settled by the float64 build: its error "
                               f"vanishes with the arithmetic (err64 ÷ err32 = {ratio:.2g})")
-            elif judgement is main and q.quantity in vanished:
-                ratio = float64_build.quantities[q.quantity]["ratio"]
+            elif q.quantity in vanished:
+                ratio = build.quantities[q.quantity]["ratio"]
                 q.verdict, q.settled_by, q.settled_ratios = "roundoff", "the float64 build", {"err64 ÷ err32": ratio}
                 q.evidence = (f"{SETTLED}settled by the float64 build: its error vanishes with the arithmetic "
                               f"(err64 ÷ err32 = {ratio:.2g})")

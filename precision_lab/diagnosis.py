@@ -15,6 +15,7 @@ import contextlib
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -174,7 +175,13 @@ def judge_probes(candidate: Candidate, problem: Problem, where, probes, bar=None
             probe_result, probe_trace = candidate.compute(probe_problem, "float32", where), reference_of(probe_problem, where)
         with _leaving(programs):
             judgement = judge(probe_result, probe_trace, candidate.claimed_precision, candidate.name)
-        judged.append((probe_set.ProbeRun.of(probe, probe_problem), judgement))
+        run = probe_set.ProbeRun.of(probe, probe_problem)
+        if has_float64_build(candidate, judgement) and any(q.verdict == "inconclusive"
+                                                           for q in judgement.quantities.values()):
+            # a probe's open quantity is settled, or shown to persist, by the build as the requested problem's is
+            run = replace(run, float64_build=float64_build_evidence(candidate, probe_problem, where, probe_result,
+                                                                    probe_trace))
+        judged.append((run, judgement))
         if bar is not None:
             bar.update()
     return judged

@@ -19,7 +19,7 @@ its probes vary batch, seed and targets there instead, and say so. Probes use sy
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
@@ -106,6 +106,8 @@ class ProbeRun:
     batch: int
     seed: int
     targets: str
+    #: the candidate's float64 build on this probe (decision.Float64Build), run where its bound left a quantity open
+    float64_build: object = field(default=None, compare=False)
 
     @property
     def name(self) -> str:

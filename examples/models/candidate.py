@@ -1,11 +1,14 @@
 """A command candidate for any network of the model spec, written with PyTorch (not with precision-lab).
 
 Usage: python candidate.py REQUEST_DIR RESPONSE_DIR [--slip NAME] [--intermediates]
+                           [--autocast bfloat16|float16 [--loss-scale S]]
 
 Reads the request bundle (bundle.json with its `model`, arrays.npz), builds the network the spec
 describes (seed form or layer form), runs one forward and backward in the request's precision with
 autograd, and writes the response bundle: loss, `<param>.grad` in the request's weight layout,
-the output and, with --intermediates, every named layer's output and output gradient.
+the output and, with --intermediates, every named layer's output and output gradient. With --autocast the
+float32 build runs under torch.autocast in that format (the float64 build never does), the loss multiplied by
+--loss-scale before the backward and the gradients divided by it after, as torch.amp.GradScaler does.
 
 `--slip` plants one realistic bug, so each example shows what the lab says about it:
 
@@ -196,6 +199,8 @@ def main():
     parser.add_argument("response", type=Path)
     parser.add_argument("--slip", choices=SLIPS)
     parser.add_argument("--intermediates", action="store_true")
+    parser.add_argument("--autocast", choices=("bfloat16", "float16"))
+    parser.add_argument("--loss-scale", type=float, default=1.0)
     args = parser.parse_args()
     manifest = json.loads((args.request / "bundle.json").read_text())
     spec = expand(manifest["model"])
@@ -209,14 +214,17 @@ def main():
     masks = {name: data.pop(name) for name in [n for n in data if n.endswith(".mask")]}  # no parameters: no gradient
     params = {name: torch.from_numpy(from_layout(value, layout) if value.ndim in (2, 4) else value).to(dtype)
               .requires_grad_(True) for name, value in data.items()}
-    loss, out, named = run(spec["layers"], spec.get("loss", "mse"), x, target, params, args.slip, args.intermediates,
-                           masks)
-    loss.backward()
+    mixed = args.autocast is not None and dtype == torch.float32
+    with torch.autocast("cpu", dtype=getattr(torch, args.autocast or "bfloat16"), enabled=mixed):
+        loss, out, named = run(spec["layers"], spec.get("loss", "mse"), x, target, params, args.slip,
+                               args.intermediates, masks)
+    scale = args.loss_scale if mixed else 1.0
+    (loss.to(dtype) * scale).backward()
     store = np.float64 if dtype == torch.float64 else np.float32
-    response = {"loss": np.asarray(loss.item(), store), "output": out.detach().numpy().astype(store)}
+    response = {"loss": np.asarray(loss.item(), store), "output": out.detach().to(dtype).numpy().astype(store)}
     for name, value in params.items():
         # a parameter the backward never reached keeps its zeroed buffer, as a port writes it
-        grad = (value.grad if value.grad is not None else torch.zeros_like(value)).detach().numpy().astype(store)
+        grad = (value.grad / scale if value.grad is not None else torch.zeros_like(value)).detach().numpy().astype(store)
         if grad.ndim == 4 and args.slip == "flip":
             grad = grad[:, :, ::-1, ::-1]
         if grad.ndim == 4 and args.slip == "ohwi":  # the buffer holds OHWI, whatever the request declared
@@ -225,8 +233,8 @@ def main():
             written = to_layout(grad, layout) if grad.ndim in (2, 4) else grad
         response[f"{name}.grad"] = written
     for name, value in named.items():
-        response[f"{name}.output"] = value.detach().numpy().astype(store)
-        response[f"{name}.output.grad"] = value.grad.numpy().astype(store)
+        response[f"{name}.output"] = value.detach().to(dtype).numpy().astype(store)
+        response[f"{name}.output.grad"] = (value.grad.to(dtype) / scale).numpy().astype(store)
     args.response.mkdir(parents=True, exist_ok=True)
     np.savez(args.response / "arrays.npz", **response)
     (args.response / "bundle.json").write_text(json.dumps({
