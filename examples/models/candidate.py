@@ -85,15 +85,16 @@ def tf32(t):
 
 
 class RoundedOperands(torch.autograd.Function):
-    """Identity whose forward and backward round to TF32: every operand of a sum seen at 10 bits."""
+    """Identity whose forward and backward round float32 operands to TF32: every operand of a sum seen at 10 bits
+    (TF32 is a mode of the float32 units: a float64 build is untouched, as on a GPU)."""
 
     @staticmethod
     def forward(ctx, x):
-        return tf32(x)
+        return tf32(x) if x.dtype == torch.float32 else x
 
     @staticmethod
     def backward(ctx, g):
-        return tf32(g)
+        return tf32(g) if g.dtype == torch.float32 else g
 
 
 def batch_norm(h, a, params, constant_statistics):
