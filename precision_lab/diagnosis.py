@@ -180,7 +180,7 @@ def judge_probes(candidate: Candidate, problem: Problem, where, probes, bar=None
                                                            for q in judgement.quantities.values()):
             # a probe's open quantity is settled, or shown to persist, by the build as the requested problem's is
             run = replace(run, float64_build=float64_build_evidence(candidate, probe_problem, where, probe_result,
-                                                                    probe_trace))
+                                                                    probe_trace, judged=False))
         judged.append((run, judgement))
         if bar is not None:
             bar.update()
@@ -205,16 +205,18 @@ def has_float64_build(candidate: Candidate, judgement: Judgement | None = None) 
 
 
 def float64_build_evidence(candidate: Candidate, problem: Problem, where, result32: Result,
-                           trace: Trace, result64: Result | None = None) -> Float64Build:
+                           trace: Trace, result64: Result | None = None, judged: bool = True) -> Float64Build:
     """The float64 recompilation (experiment 02) on the requested problem, as evidence for the decision
-    (`result64`: the build's run, when it was started already)."""
+    (`result64`: the build's run, when it was started already; `judged`: the build's own verdict against the float64
+    reference, which only the evidence's text reads: a probe's build goes without it)."""
     from .experiments.float64_recompilation import build_evidence
     from .verdict import judge
 
     if result64 is None:
         result64 = candidate.compute(problem, "float64", where)
-    judgement64 = judge(result64, trace, "float64", candidate.name, fingerprint=False, hypotheses=False)
-    return build_evidence(result32, result64, trace, problem.network.parameter_names, judgement64.verdict,
+    verdict64 = (judge(result64, trace, "float64", candidate.name, fingerprint=False, hypotheses=False).verdict
+                 if judged else None)
+    return build_evidence(result32, result64, trace, problem.network.parameter_names, verdict64,
                           candidate.claimed_precision)
 
 
