@@ -175,13 +175,17 @@ def reference_accuracy(bound: np.ndarray, storage: str = "float32") -> float:
     return float(np.max(bound)) * formats.unit_roundoff("float64") / formats.unit_roundoff(storage)
 
 
+#: how `certify`'s evidence begins: a quantity within its bound, the bound too large against it to certify
+TOO_LARGE_A_BOUND = "within a bound "
+
+
 def certify(q: QuantityVerdict, ref: np.ndarray, bound: np.ndarray, storage: str = "float32") -> None:
     """A quantity within its bound stays `roundoff` only if the bound is below CERTIFIABLE_FRACTION of it, or the
     quantity is zero to the reference's own accuracy (zero_to_reference_accuracy)."""
     fraction = bound_fraction(ref, bound)
     if fraction > CERTIFIABLE_FRACTION and not zero_to_reference_accuracy(ref, bound, storage):
         q.verdict = "inconclusive"
-        q.evidence = (f"within a bound {fraction:.3g}× the quantity's own size (‖bound‖ ÷ ‖reference‖ > "
+        q.evidence = (f"{TOO_LARGE_A_BOUND}{fraction:.3g}× the quantity's own size (‖bound‖ ÷ ‖reference‖ > "
                       f"{CERTIFIABLE_FRACTION:g}): such a bound cannot tell rounding from a lost gradient; settle it "
                       "with the candidate's float64 build (command_float64), the default probes (a diagnosis settles it "
                       "where every probe certifies it) or a smaller problem")
@@ -195,8 +199,8 @@ def certify_repeated(q: QuantityVerdict, ref: np.ndarray, bound: np.ndarray, dri
     fraction = bound_fraction(values, bounds)
     if fraction > DRIFT_CERTIFIABLE_FRACTION:
         q.verdict = "inconclusive"
-        q.evidence = (f"within a bound {fraction:.3g}× its own size on {int(mask.sum())} element(s) that sum repeated "
-                      f"values (equal terms added one by one stagnate: float32's own error there is systematic, up to "
+        q.evidence = (f"on {int(mask.sum())} element(s) that sum repeated values, within a bound {fraction:.3g}× their "
+                      f"own size (equal terms added one by one stagnate: float32's own error there is systematic, up to "
                       f"half that bound; above {DRIFT_CERTIFIABLE_FRACTION:g} a 10%-short gradient would pass): settle it "
                       "with the candidate's float64 build (command_float64), the default probes or a smaller problem")
 

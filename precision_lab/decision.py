@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field, replace
+from .compare import TOO_LARGE_A_BOUND
 from .formats import UNIT_ROUNDOFF
 from .jsonable import json_safe
 from .verdict import CERTIFIABLE_FRACTION, Judgement, overall, worst
@@ -52,9 +53,9 @@ REFERENCE_ACCURACY = "within the reference's accuracy"
 
 @dataclass(frozen=True)
 class Float64Build:
-    """The candidate's float64 build on the requested problem (experiment 02): per quantity err32, err64, their
-    ratio and what it shows (`finding`: 'vanishes in float64', 'persists in float64', …); `verdict` is the
-    float64 build's own judgement against the float64 reference."""
+    """The candidate's float64 build on the requested problem (experiment 02), or on a probe (ProbeRun.float64_build):
+    per quantity err32, err64, their ratio and what it shows (`finding`: 'vanishes in float64', 'persists in
+    float64', …); `verdict` is the float64 build's own judgement against the float64 reference."""
 
     quantities: dict  # quantity → {"err32", "err64", "ratio", "expected_ratio_if_rounding", "finding"}
     verdict: str | None
@@ -128,15 +129,19 @@ def decide(requested: Judgement, probes=(), *, float64_build: Float64Build | Non
     judged = [(run, _copy(judgement)) for run, judgement in probes]
     found = not_rounding(main, float64_build, spread, scaling)
     _not_rounding(main, found)
+    found_on = {}
     for run, judgement in judged:  # a probe's own float64 build (diagnosis.judge_probes) is read the same way
         if getattr(run, "float64_build", None) is not None:
-            _not_rounding(judgement, not_rounding(judgement, run.float64_build, None, None))
+            found_on[id(judgement)] = not_rounding(judgement, run.float64_build, None, None)
+            _not_rounding(judgement, found_on[id(judgement)])
     settle(main, judged, float64_build)
     overall(main)
     if found and main.cause in {cause for _, cause, _ in found}:
         main.cause_by = "evidence"
     for _, judgement in judged:
         overall(judgement)
+        if judgement.cause is not None and judgement.cause in {c for _, c, _ in found_on.get(id(judgement), ())}:
+            judgement.cause_by = "evidence"
     return Diagnosis(main, judged, spread, probe_note, float64_build, probed, scaling)
 
 
@@ -190,7 +195,9 @@ def _within_reduced(main: Judgement, q) -> bool:
     """Whether a quantity is `inconclusive` inside the sampled bound of a format coarser than float32 (claimed, or
     named by the format doctor): that derived bound, not the sweep's fixed level, says what the format reaches."""
     coarse = q.format or main.claimed_precision
-    return (q.verdict == "inconclusive" and coarse in UNIT_ROUNDOFF
+    # only a bound too large to certify (compare.certify, or the format doctor's): not a drift or an unbounded element
+    inside = q.format is not None or q.evidence.startswith(TOO_LARGE_A_BOUND)
+    return (q.verdict == "inconclusive" and inside and coarse in UNIT_ROUNDOFF
             and UNIT_ROUNDOFF[coarse] > UNIT_ROUNDOFF["float32"])
 
 
@@ -307,7 +314,7 @@ class Diagnosis:
         chosen = self._chosen()
         same = [j for _, j in self.problems() if j.verdict == self.verdict]
         # a cause must explain every problem where the doctor tested it, not the first that names one
-        causes = {j.cause for j in same if getattr(j, "hypotheses", None)}
+        causes = {j.cause for j in same if getattr(j, "hypotheses", None) and getattr(j, "cause_by", None) != "evidence"}
         if chosen.cause and len(causes) > 1:
             unknown = "cause unknown: the problems name different causes (" + "; ".join(
                 sorted(str(c) for c in causes)) + ")"

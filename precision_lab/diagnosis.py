@@ -179,8 +179,12 @@ def judge_probes(candidate: Candidate, problem: Problem, where, probes, bar=None
         if has_float64_build(candidate, judgement) and any(q.verdict == "inconclusive"
                                                            for q in judgement.quantities.values()):
             # a probe's open quantity is settled, or shown to persist, by the build as the requested problem's is
+            # through the program pool where there is one: never more calls at once than its limit (external.md §2)
+            result64 = (programs.settled(programs.submit(candidate.compute, probe_problem, "float64", where),
+                                         lambda: candidate.compute(probe_problem, "float64", where))
+                        if programs is not None else None)
             run = replace(run, float64_build=float64_build_evidence(candidate, probe_problem, where, probe_result,
-                                                                    probe_trace, judged=False))
+                                                                    probe_trace, result64, judged=False))
         judged.append((run, judgement))
         if bar is not None:
             bar.update()

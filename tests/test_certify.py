@@ -575,3 +575,52 @@ def test_the_comparisons_sums_are_the_same_bits_whatever_the_blas_threads():
     n, u = x.size + 1, 2.0 ** -53
     assert abs(dot(x, x[::-1]) - math.fsum(products)) <= n * u / (1 - n * u) * np.abs(products).sum()
     assert norm(np.array([[3.0, 0.0], [0.0, 4.0]])) == 5.0
+
+
+def _quantity(name, verdict, evidence="", fmt=None):
+    from precision_lab.compare import QuantityVerdict
+
+    return QuantityVerdict(name, verdict, 1e-3, 1e-4, 1e-2, 0.5, 10.0, 0.99, 1.0, format=fmt, evidence=evidence)
+
+
+def _persisting(name):
+    from precision_lab.decision import Float64Build
+
+    return Float64Build({name: {"err32": 1e-3, "err64": 9e-4, "ratio": 0.9, "finding": "persists in float64"}},
+                        None, 1.9e-9, 4.3e-5)
+
+
+def test_a_probes_own_float64_build_makes_a_persisting_error_a_defect_without_hiding_the_doctors_cause():
+    from dataclasses import replace
+
+    from precision_lab.decision import decide
+    from precision_lab.verdict import Judgement
+
+    main = Judgement("c", "float32", "defect", {"w": _quantity("w", "defect")}, cause="flip W",
+                     hypotheses=[{"hypothesis": "h", "explains": []}], cause_by="doctor")
+    main.quantities["w"].cause = "flip W"
+    probe = Judgement("c", "float32", "inconclusive", {"w": _quantity("w", "inconclusive")},
+                      hypotheses=[{"hypothesis": "h", "explains": []}])
+    run = replace(_run(0), float64_build=_persisting("w"))
+    diagnosis = decide(main, [(run, probe)])
+    assert diagnosis.probes[0][1].quantities["w"].verdict == "defect"
+    assert diagnosis.probes[0][1].quantities["w"].cause.startswith("the error persists in the float64 build")
+    assert diagnosis.deciding().cause == "flip W"  # evidence, not a competing hypothesis
+    # without the probe's build the same probe stays open
+    assert decide(main, [(_run(0), probe)]).probes[0][1].quantities["w"].verdict == "inconclusive"
+
+
+def test_the_sweeps_fixed_level_defers_only_to_a_bound_too_large_to_certify():
+    from precision_lab.compare import TOO_LARGE_A_BOUND
+    from precision_lab.decision import Scaling, decide
+    from precision_lab.verdict import Judgement
+
+    scaling = Scaling((28,), {"w": 0.1}, 0.039)
+    for evidence, expected in ((f"{TOO_LARGE_A_BOUND}0.8× the quantity's own size", "inconclusive"),
+                               ("on 1 element(s) that sum repeated values, within a bound 0.3× their own size", "defect"),
+                               ("the error model gives no finite bound at 3 of 9 elements", "defect")):
+        main = Judgement("c", "bfloat16", "inconclusive", {"w": _quantity("w", "inconclusive", evidence)})
+        assert decide(main, scaling=scaling).main.quantities["w"].verdict == expected, evidence
+    claimed32 = Judgement("c", "float32", "inconclusive",
+                          {"w": _quantity("w", "inconclusive", f"{TOO_LARGE_A_BOUND}0.8× its size")})
+    assert decide(claimed32, scaling=scaling).main.quantities["w"].verdict == "defect"  # float32 cannot reach it

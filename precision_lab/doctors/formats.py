@@ -324,7 +324,7 @@ def _excuse_by_named_format(quantities, pairs, reference: Trace, named: dict) ->
                 finding = Finding("format-excuse", name, "reduced-precision", fmt,
                                   f"error ÷ bound {q.bound_ratio:.3g}, within the {fmt} bound (error ÷ bound "
                                   f"{ratio:.3g}) of the format the fingerprint names on {witnesses}",
-                                  {"format_bound_ratio": ratio})
+                                  {**finding.numbers, "format_bound_ratio": ratio})
             elif finding.verdict == "inconclusive":
                 finding = Finding("format-excuse", name, "inconclusive", fmt, finding.evidence, finding.numbers)
             findings.append(finding)

@@ -188,8 +188,8 @@ def conclude(summary, table, fits, skipped=(), decisions: dict | None = None) ->
         defect_like = cand_fits[cand_fits.min_err_over_grad >= DEFECT_REL_TO_GRAD]
         decided = decisions[row.candidate].judgement() if decisions else None
         if decided is not None:  # a quantity inside a coarser format's sampled bound is that bound's to judge
-            defect_like = defect_like[[decided.quantities[p].verdict == "defect" if p in decided.quantities else True
-                                       for p in defect_like.parameter]]
+            defect_like = defect_like[[decided.quantities[p].verdict in ("defect", "layout")
+                                       if p in decided.quantities else True for p in defect_like.parameter]]
         detail = judgement_detail(decided) if decided is not None else ""
         if len(defect_like):
             level = format_range(defect_like.min_err_over_grad.min(), defect_like.min_err_over_grad.max())
