@@ -426,6 +426,8 @@ class Diagnosis:
         for run, judgement in self.probes:
             entry = judgement.to_json()
             entry.update(name=run.name, probe=run.kind, why=run.why)
+            build = getattr(run, "float64_build", None)  # the probe's own, where its bound left a quantity open
+            entry["float64_build"] = build.to_json() if build is not None else None
             probes.append(entry)
         parameters = {}
         for name, entry in main["parameters"].items():
