@@ -171,8 +171,12 @@ def zero_to_reference_accuracy(ref: np.ndarray, bound: np.ndarray, storage: str 
 def reference_accuracy(bound: np.ndarray, storage: str = "float32") -> float:
     """The largest error the float64 reference itself may carry where the claimed bound is `bound`: its largest
     element at u₆₄ instead of u (first order in u, zero_to_reference_accuracy). A candidate's error no larger is the
-    reference's as much as the candidate's: no build, float32 or float64, can show it vanishing or persisting."""
-    return float(np.max(bound)) * formats.unit_roundoff("float64") / formats.unit_roundoff(storage)
+    reference's as much as the candidate's: no build, float32 or float64, can show it vanishing or persisting.
+    Elements the error model cannot bound say nothing of it: the largest finite element's (0 where none is)."""
+    bound = np.asarray(bound, np.float64)
+    finite = bound[np.isfinite(bound)]
+    largest = float(np.max(finite)) if finite.size else 0.0
+    return largest * formats.unit_roundoff("float64") / formats.unit_roundoff(storage)
 
 
 #: how `certify`'s evidence begins: a quantity within its bound, the bound too large against it to certify

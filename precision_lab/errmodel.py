@@ -64,6 +64,7 @@ class QuantityBound:
     sampled: int = 0  # elements whose bound is the sampled propagation's (precision_lab.sampled), not |W|·E
     drifted: np.ndarray | None = None  # elements whose own part is a repeated-value sum's drift (roundoff.column_drift)
     along: float | None = None  # bound on the error's projection on the reference's direction (a reduced format's)
+    drawn: np.ndarray | None = None  # share of `accumulation` a reduced format's sampled runs draw (Parts.drawn)
 
     @property
     def max(self) -> float:
@@ -116,8 +117,9 @@ def _quantity(name: str, parts: Parts, u: float, shape=None) -> QuantityBound:
     if parts.drifted is not None and bool(parts.drifted.any()):
         drifted = torch.broadcast_to(parts.drifted.to(abs_sum.device), abs_sum.shape).cpu().numpy()
         drifted = drifted.reshape(shape) if shape is not None else drifted
+    drawn = None if parts.drawn is None else as_np(_as_tensor(parts.drawn, abs_sum))
     return QuantityBound(name, parts.n, as_np(abs_sum), as_np(acc), as_np(rnd), as_np(prop), as_np(bound), parts.flips,
-                         drifted=drifted)
+                         drifted=drifted, drawn=drawn)
 
 
 def error_bounds(trace: Trace, precision: str = "float32", lam: float = LAMBDA,
@@ -164,6 +166,8 @@ def _tighten_reduced(bounds: dict[str, QuantityBound], reduced, trace: Trace, pr
             own = np.zeros_like(q.accumulation)
         else:
             own = np.asarray(q.accumulation, np.float64)
+            if q.drawn is not None:  # an attention block's inside roundings: the runs draw them
+                own = own - np.asarray(q.drawn, np.float64).reshape(own.shape)
             if stored and name != "loss":
                 reference = np.abs(np.asarray(trace.grads[name], np.float64)).reshape(q.bound.shape)
                 own = own + (formats.unit_roundoff(precision) * (reference + up)

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .model import NETWORK_INPUT, ModelSpecError, Network, parse_spec
@@ -58,8 +59,15 @@ class SpecModule(nn.Module):
         for layer in self.network.layers:
             op = OPS[layer.op]
             xs = [outputs[i] for i in layer.inputs]
-            held = layer.name in self.held
-            outputs[layer.index] = op.torch_forward(layer.attrs, xs, self._module(layer.name) if held else None)
+            module = self._module(layer.name) if layer.name in self.held else None
+            device = xs[0].device.type
+            if op.autocast_float32 and torch.is_autocast_enabled(device):
+                # CUDA's autocast runs it in float32 (PyTorch's CPU layer norm in bfloat16 sums its weight and bias
+                # gradients in bfloat16: 4096 ones sum to 512)
+                with torch.autocast(device, enabled=False):
+                    outputs[layer.index] = op.torch_forward(layer.attrs, [t.float() for t in xs], module)
+            else:
+                outputs[layer.index] = op.torch_forward(layer.attrs, xs, module)
         return outputs[len(self.network.layers) - 1]
 
     def loss(self, y, target):

@@ -27,7 +27,9 @@ it away:
 A reduced format's operand rounding is drawn on the operands themselves (`SampledOp`): an op's float inputs and the
 parameters it names (`Op.rounded_params`) get t + r(t)·ξ once per run, read by its forward and backward alike, as
 the candidate reads the same rounded value in both; |δ| ≤ r(t) makes that rounding sub-Gaussian with proxy r(t)²
-(Hoeffding's lemma), so the argument above holds for it. errmodel keeps those runs for the loss and the output only
+(Hoeffding's lemma), so the argument above holds for it. An attention block's products read its own intermediates
+(q, k, v, the weights): those are drawn where the block computes them (`Op.forward_rounded`), one draw per element
+and run, so every query that reads a key reads the same rounded key, as in the candidate. errmodel keeps those runs for the loss and the output only
 (FORWARD_QUANTITIES): the forward is continuous in every draw, while a ReLU a reduced format flips passes or blocks a
 whole gradient element, a jump too rare in K runs to estimate (docs/error-model.md, "Normalisation").
 
@@ -51,7 +53,7 @@ import numpy as np
 import torch
 
 from . import formats, roundoff
-from .ops import OPS, SharedDraw
+from .ops import OPS, Op, SharedDraw
 
 #: runs of the float64 network with sampled roundings (K): each costs one float64 forward and backward
 SAMPLES = 16
@@ -78,9 +80,14 @@ def applies(trace, precision: str) -> bool:
     problem = trace.problem
     if problem is None:
         return False
-    if precision in formats.REDUCED_FORMATS and any(OPS[layer.op].rounds_inside for layer in problem.network.layers):
+    if precision in formats.REDUCED_FORMATS and any(_unrounded_inside(OPS[layer.op]) for layer in problem.network.layers):
         return False
     return problem.batch * problem.height * problem.width <= ELEMENT_LIMIT
+
+
+def _unrounded_inside(op) -> bool:
+    """An op whose products read intermediates of its own that its sampled runs cannot round (no forward_rounded)."""
+    return op.rounds_inside and type(op).forward_rounded is Op.forward_rounded
 
 
 def drawn(scale, like: torch.Tensor, draw) -> torch.Tensor:
@@ -123,6 +130,8 @@ class SampledOp:
         self.stored = precision if layer is not None and precision in formats.STORED_FORMATS else None
         self.joins = layer is not None and len(reference.network.consumers.get(layer.index, ())) > 1
         self.frozen, self.record, self.squares, self.flips = False, False, None, None
+        # the draws on an attention block's intermediates (Op.forward_rounded), this run's: its backward reads them
+        self.inside = {}
 
     def _rounded(self, t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         """t plus a draw of its rounding to the claimed format: σ = r(t) = u_f·|t| + η_f/2 per element
@@ -140,14 +149,31 @@ class SampledOp:
         backward of the same run, as the candidate reads the same rounded value in both (its effect on this op's own
         parameter gradients is then counted twice, here and in errmodel's own part: conservative)."""
         # autocast casts a bias to the format with the weight (a tensor core adds it in float32: covered too)
-        names = set(self.op.rounded_params) | ({"bias"} if self.stored is not None else set())
+        biases = {name for name in params if name == "bias" or name.endswith("_bias") or name.endswith(".bias")}
+        names = set(self.op.rounded_params) | (biases if self.stored is not None else set())
         rounded = {k: self._rounded(v) if k in names else v for k, v in params.items()}
         self.run_operands = ([self._rounded(x) for x in xs], rounded)
         return self.run_operands
 
+    def _inside(self, name: str, t: torch.Tensor, stored: bool = False, gradient: bool = False,
+                unless_stored: bool = False) -> torch.Tensor:
+        """An intermediate of a block that rounds inside (Op.forward_rounded), with this run's draw of its rounding:
+        an operand of a product always, a result only where results are stored in the format (`unless_stored`: an
+        operand already stored in the format, rounded again exactly); one draw per name and run, so every query that
+        reads a rounded key reads the same rounding, and the backward what the forward read."""
+        if (stored and self.stored is None) or (unless_stored and self.stored is not None):
+            return t
+        if name not in self.inside:
+            self.inside[name] = self._rounded(t, self.grad_scale if gradient else 1.0)
+        return self.inside[name]
+
     def forward(self, attrs, xs, params, kernels):
         rounded_xs, rounded_params = self._rounded_operands(xs, params) if self.operands is not None else (xs, params)
-        y = self.op.forward(attrs, rounded_xs, rounded_params, kernels)
+        if self.operands is not None and self.op.rounds_inside:
+            self.inside = {}
+            y = self.op.forward_rounded(attrs, rounded_xs, rounded_params, kernels, self._inside)
+        else:
+            y = self.op.forward(attrs, rounded_xs, rounded_params, kernels)
         if self.scale is False:
             self.scale = self.forward_scale(attrs, xs, y, params, kernels)
         y = y if self.scale is None else y + drawn(self.scale, y, self.draw)
@@ -168,7 +194,11 @@ class SampledOp:
         # this run's rounded operands, as its forward read them (_rounded_operands)
         (rounded_xs, rounded_params), rounded_g = (self.run_operands, self._rounded(g, self.grad_scale)) \
             if self.operands is not None else ((xs, params), g)
-        grads, param_grads = self.op.backward(attrs, rounded_g, rounded_xs, y, rounded_params, kernels, need)
+        if self.operands is not None and self.op.rounds_inside:
+            grads, param_grads = self.op.backward_rounded(attrs, rounded_g, rounded_xs, y, rounded_params, kernels, need,
+                                                          self._inside)
+        else:
+            grads, param_grads = self.op.backward(attrs, rounded_g, rounded_xs, y, rounded_params, kernels, need)
         if self.scales is None:
             self.scales = self.backward_scales(attrs, g, xs, y, params, kernels, need, grads)
         scales = self.scales

@@ -184,3 +184,71 @@ def test_a_candidate_yaml_takes_the_autocast_names_and_a_float16_loss_scale(tmp_
     program.write_text("command: [python3, run.py, '{request}', '{response}']\nprecision: float16\nloss_scale: 0.5\n")
     with pytest.raises(CommandCandidateError, match="expected a number ≥ 1"):
         load_command_candidate(program)
+
+
+# attention blocks and layer norms under a reduced claim --------------------------------------------------------------
+VIT = "examples/models/vit-prenorm-block.json"  # patch, layer norms, nn.MultiheadAttention (2 heads), an MLP, a head
+
+
+@pytest.fixture(scope="module")
+def vit_problem():
+    return make_problem(32, 2, 0, network=VIT)
+
+
+@pytest.fixture(scope="module")
+def vit_trace(vit_problem):
+    return reference(vit_problem)
+
+
+@pytest.mark.parametrize("name, claim", [("autocast-bfloat16", "bfloat16"), ("autocast-float16", "float16"),
+                                         ("tf32-claimed", "tf32")])
+def test_an_attention_block_under_its_format_is_sampled_and_certified(vit_problem, vit_trace, name, claim):
+    """The block's products read q, k, v and the weights it computes itself: drawn where it computes them
+    (Op.forward_rounded), the sampled bound reaches every quantity, and a right program is roundoff under its claim
+    (before, the block kept |W|·E: bounds 10⁴⁰× the error and layer norms with no finite bound)."""
+    from precision_lab import errmodel, sampled
+
+    assert sampled.applies(vit_trace, claim)
+    bounds = errmodel.error_bounds(vit_trace, claim)
+    assert all(np.isfinite(b.bound).all() for b in bounds.values())
+    assert bounds["attn.in_proj_weight"].sampled > 0
+    judgement = judge(registry()[name].compute(vit_problem), vit_trace, claim, name, fingerprint=False)
+    worst = max(q.bound_ratio for q in judgement.quantities.values())
+    assert judgement.verdict in ("roundoff", "inconclusive") and 0.01 < worst <= 1.0
+    assert not [n for n, q in judgement.quantities.items() if q.verdict == "inconclusive" and not
+                q.evidence.startswith("within a bound ")]  # only a bound too large to certify, never an unbounded one
+
+
+@pytest.mark.parametrize("layer, how", [("attn.out_proj.weight", lambda g: g * 1.05),
+                                        ("attn.in_proj_bias", lambda g: g * 0.5),
+                                        ("norm1.weight", np.zeros_like)])
+def test_a_slip_in_an_attention_network_under_bfloat16_is_a_defect(vit_problem, vit_trace, layer, how):
+    result = _slipped(registry()["autocast-bfloat16"].compute(vit_problem), layer, how)
+    judgement = judge(result, vit_trace, "bfloat16", "slip", fingerprint=False)
+    assert judgement.quantities[layer].verdict == "defect", judgement.quantities[layer].evidence
+
+
+def test_the_builtin_autocast_runs_layer_norm_in_float32_as_cuda_autocast_does():
+    """PyTorch's CPU layer norm of a bfloat16 input sums its weight and bias gradients in bfloat16 (4096 ones sum to
+    512); CUDA's autocast runs layer norm in float32. The builtin autocast candidate stands for the GPU program."""
+    network = load_model({"input_channels": 1, "layers": [
+        {"name": "patch", "op": "conv2d", "in": 1, "out": 8, "kernel": 2, "stride": 2},
+        {"name": "pixels", "op": "flatten_pixels"}, {"name": "tokens", "op": "transpose"},
+        {"name": "norm", "op": "layer_norm", "features": 8}, {"name": "pool", "op": "mean", "dim": 1},
+        {"name": "head", "op": "linear", "in": 8, "out": 3}], "loss": "cross_entropy"})
+    problem = make_problem(128, 2, 0, network=network)  # 2·64² = 8192 tokens in each bias gradient's sum
+    ref = np.asarray(reference(problem).grads["norm.bias"], np.float64)
+    got = autocast_forward_backward(problem, "bfloat16").grads["norm.bias"]
+    assert np.linalg.norm(got - ref) < 0.02 * np.linalg.norm(ref)
+    x = torch.ones(1, 4096, 8, dtype=torch.bfloat16, requires_grad=True)
+    bias = torch.zeros(8, requires_grad=True)
+    torch.nn.functional.layer_norm(x, (8,), torch.ones(8), bias).backward(torch.ones(1, 4096, 8, dtype=torch.bfloat16))
+    if float(bias.grad[0]) != 4096.0:  # the CPU kernel this guards against is still there: the float32 path is needed
+        assert float(bias.grad[0]) < 4096.0 * 0.98
+
+
+def test_the_references_own_accuracy_reads_the_finite_bounds_only():
+    from precision_lab.compare import reference_accuracy
+
+    assert reference_accuracy(np.array([np.inf, 1.0, 2.0])) == pytest.approx(2.0 * 2.0 ** -53 / 2.0 ** -24)
+    assert reference_accuracy(np.array([np.inf, np.inf])) == 0.0

@@ -92,10 +92,13 @@ def build_evidence(result32, result64, ref, names, verdict64: str | None = None,
     from .. import errmodel
     from ..compare import reference_accuracy
     from ..decision import Float64Build
-    from ..formats import STORAGE_DTYPE
+    from ..formats import REDUCED_FORMATS, STORAGE_DTYPE
 
-    bounds = errmodel.error_bounds(ref, claimed)
-    accuracy = {name: reference_accuracy(bounds[name].bound, STORAGE_DTYPE[claimed]) for name in ("loss", *names)}
+    # the float64 reference rounds as a float32 program does, at u₆₄: a reduced claim's bound holds the format's
+    # operand roundings too, which would make the reference's accuracy u_f ÷ u₃₂ too coarse and hide a persisting error
+    arithmetic = "float32" if claimed in REDUCED_FORMATS else claimed
+    bounds = errmodel.error_bounds(ref, arithmetic)
+    accuracy = {name: reference_accuracy(bounds[name].bound, STORAGE_DTYPE[arithmetic]) for name in ("loss", *names)}
     rows = recompilation_rows(result32, result64, ref, names, accuracy)
     return Float64Build({row.pop("quantity"): row for row in rows}, verdict64, EXPECTED_RATIO, VANISH_THRESHOLD)
 

@@ -127,6 +127,9 @@ class Parts:
     propagated: torch.Tensor | float  # upstream errors entering this sum
     flips: int = 0
     drifted: torch.Tensor | None = None  # elements whose own part is a repeated-value sum's simulated drift
+    # the share of `accumulation` a reduced format's sampled runs draw themselves (an attention block's operand
+    # roundings inside it, Op.forward_rounded): left out of the own part where those runs bound the quantity
+    drawn: torch.Tensor | None = None
 
 
 @dataclass
@@ -209,7 +212,9 @@ class Op:
     # a reduced format's rounded operands (ctx.rounding_term): its float inputs and these parameters, which the sampled
     # runs perturb by their rounding (precision_lab.sampled); None: its products read no rounded operand
     rounded_params: tuple[str, ...] | None = None
-    rounds_inside = False  # its products read intermediates of its own (an attention block): no draw on its inputs reaches them
+    # its products read intermediates of its own (an attention block): a reduced format's sampled runs draw their
+    # rounding through forward_rounded and backward_rounded, as no draw on its inputs reaches them
+    rounds_inside = False
     # its backward follows a decision of its forward (a ReLU's sign, a max pool's largest input): a reduced format's
     # sampled runs take the decision from the reference and add its flips' mean and spread (switch_flips)
     switches = False
@@ -264,6 +269,10 @@ class Op:
         """Whether one sample's output reads the other samples (a training-mode batch norm): a sub-batch then computes
         another function, and errors shared across samples are marked `coupled` (Field)."""
         return False
+
+    #: CUDA's torch.autocast runs it in float32 (its float32 list: layer_norm, group_norm, softmax): the builtin
+    #: autocast candidates run it so on every device (modules.SpecModule), as GPU users' programs do
+    autocast_float32 = False
 
     def autocast_cpu_runs(self, attrs: dict) -> bool:
         """Whether PyTorch's CPU autocast runs the op on a reduced-format input (False: PyTorch refuses it there)."""
@@ -324,6 +333,18 @@ class Op:
     def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u: float, lam: float) -> list:
         """Scale σ of the draw on each input gradient (None where exact or not needed)."""
         return [None] * len(need)
+
+    def forward_rounded(self, attrs, xs, params, kernels, rounded) -> torch.Tensor:
+        """For an op that `rounds_inside`: its forward with each intermediate a product reads passed through
+        `rounded(name, t, stored=False, gradient=False, unless_stored=False)`, which returns t plus this run's draw of
+        its rounding to the claimed format (`stored`: only where results are stored in the format, autocast;
+        `unless_stored`: only where they are not; the same name, the same draw within a run, so the backward reads
+        what the forward read)."""
+        raise NotImplementedError
+
+    def backward_rounded(self, attrs, g, xs, y, params, kernels, need, rounded) -> tuple[list, dict]:
+        """backward with forward_rounded's intermediates, and each intermediate gradient a product reads rounded."""
+        raise NotImplementedError
 
     def switch_flips(self, attrs, x: torch.Tensor, variance: torch.Tensor, g: torch.Tensor, samples: int):
         """For a switching op: (mean, standard deviation) of the change its flips make to its input gradient, and the

@@ -52,6 +52,7 @@ class Softmax(Op):
     """y = softmax(x) over one per-sample axis (`dim`, PyTorch's: the batch is dim 0; −1 the last)."""
 
     name = "softmax"
+    autocast_float32 = True
     keys = {"dim": -1}
     reads_error_backward = False
     torch_modules = (torch.nn.Softmax,)

@@ -15,8 +15,26 @@ from . import REQUIRED, BackwardReplaced, BoundContext, Field, GradField, Op, Op
 from .attention import Matmul, Softmax, _unscaled_backward, within_limit
 from .layers import Linear
 from .tokens import _text
+from ..formats import REDUCED_FORMATS
 
 _LINEAR, _MATMUL, _SOFTMAX = Linear(), Matmul(), Softmax()
+
+
+def _exact(name, t, stored=False, gradient=False, unless_stored=False):
+    """No rounding drawn: the block's own forward and backward (Op.forward_rounded's `rounded` left out)."""
+    return t
+
+
+def _stored_output_statistic(a_sm, weights, g_out, stored, computed):
+    """What a fused attention backward adds to the scores' gradient by reading its output as stored.
+
+    FlashAttention-2's backward (Dao 2023, Algorithm 2) takes each query's Dᵢ = Σ_c dOᵢ_c·Oᵢ_c from the output O it
+    stored, not Σⱼ wᵢⱼ·(dOᵢ·vⱼ): the one rounding of Oᵢ is shared by every key of the row, reaching score (i, j) as
+    −wᵢⱼ·δDᵢ. Zero where O is not rounded (`stored` is `computed`) or the weights are not normalised over keys."""
+    if stored is computed or a_sm["dim"] != -1:
+        return 0.0
+    return -weights * (g_out * (stored - computed)).sum(dim=-1, keepdim=True)
+
 _LIN_ATTRS = {"bias": True}
 
 
@@ -27,6 +45,7 @@ class Attention(Op):
     keys = {"dim": REQUIRED, "heads": 1, "scale": None}
     parametrised = True
     rounds_inside = True
+    rounded_params = ("in_proj_weight", "out_proj.weight")  # the projections' weights; x is the first's input
     reads_error_backward = True
     torch_modules = (torch.nn.MultiheadAttention,)
     returns_pair = True  # nn.MultiheadAttention returns (output, weights): a traced [0] reads the output
@@ -107,35 +126,45 @@ class Attention(Op):
         return ({"in": dim, "out": 3 * dim, **_LIN_ATTRS}, {"transpose_b": True, "scale": attrs["scale"]},
                 {"dim": attrs.get("softmax_dim", -1)}, {"transpose_b": False, "scale": 1.0}, {"in": dim, "out": dim, **_LIN_ATTRS})
 
-    def _parts_forward(self, attrs, x, params, kernels):
-        """Every intermediate: qkv, q, k, v (heads split), scores, weights, mixed (heads split), merged, y."""
+    def _parts_forward(self, attrs, x, params, kernels, rounded=None):
+        """Every intermediate: qkv, q, k, v (heads split), scores, weights, mixed (heads split), merged, y; each
+        operand of a product through `rounded` (Op.forward_rounded), where given."""
+        r = rounded or _exact
         a_in, a_s, a_sm, a_mix, a_out = self._attrs(attrs)
         h = attrs["heads"]
         qkv = _LINEAR.forward(a_in, [x], self._proj(params, "in"), kernels)
-        q, k, v = (self._split(t, h) for t in qkv.chunk(3, dim=-1))
-        scores = _MATMUL.forward(a_s, [q, k], {}, kernels)
-        weights = _SOFTMAX.forward(a_sm, [scores], {}, kernels)
-        mixed = _MATMUL.forward(a_mix, [weights, v], {}, kernels)
-        merged = self._merge(mixed, h)
+        q, k, v = (r(name, self._split(t, h)) for name, t in zip("qkv", qkv.chunk(3, dim=-1)))
+        scores = r("scores", _MATMUL.forward(a_s, [q, k], {}, kernels), stored=True)
+        weights = r("weights", _SOFTMAX.forward(a_sm, [scores], {}, kernels))
+        computed = _MATMUL.forward(a_mix, [weights, v], {}, kernels)
+        mixed = r("mixed", computed, stored=True)  # autocast stores the heads' output (a fused kernel's O) in the format
+        merged = r("merged", self._merge(mixed, h), unless_stored=True)  # TF32 rounds it as out_proj's operand
         y = _LINEAR.forward(a_out, [merged], self._proj(params, "out"), kernels)
-        return dict(qkv=qkv, q=q, k=k, v=v, scores=scores, weights=weights, mixed=mixed, merged=merged, y=y)
+        return dict(qkv=qkv, q=q, k=k, v=v, scores=scores, weights=weights, mixed=mixed, merged=merged, y=y,
+                    computed=computed)
 
     def forward(self, attrs, xs, params, kernels):
         return self._parts_forward(attrs, xs[0], params, kernels)["y"]
 
-    def _parts_backward(self, attrs, g, x, parts, params, kernels, need_input: bool):
-        """Every intermediate gradient and the parameter gradients, from the output gradient g."""
+    def _parts_backward(self, attrs, g, x, parts, params, kernels, need_input: bool, rounded=None):
+        """Every intermediate gradient and the parameter gradients, from the output gradient g; each intermediate
+        gradient a product reads through `rounded` (Op.backward_rounded), where given."""
+        r = rounded or _exact
         a_in, a_s, a_sm, a_mix, a_out = self._attrs(attrs)
         h = attrs["heads"]
         (g_merged,), out_grads = _LINEAR.backward(a_out, g, [parts["merged"]], parts["y"], self._proj(params, "out"),
                                                   kernels, [True])
-        g_mixed = self._split(g_merged, h)
+        g_mixed = r("g_mixed", self._split(g_merged, h), gradient=True)
         (g_weights, g_v), _ = _MATMUL.backward(a_mix, g_mixed, [parts["weights"], parts["v"]], parts["mixed"], {},
                                                kernels, [True, True])
+        g_weights = r("g_weights", g_weights, stored=True, gradient=True)
         (g_scores,), _ = _SOFTMAX.backward(a_sm, g_weights, [parts["scores"]], parts["weights"], {}, kernels, [True])
+        g_scores = g_scores + _stored_output_statistic(a_sm, parts["weights"], g_mixed, parts["mixed"],
+                                                       parts["computed"])
+        g_scores = r("g_scores", g_scores, gradient=True)
         (g_q, g_k), _ = _MATMUL.backward(a_s, g_scores, [parts["q"], parts["k"]], parts["scores"], {}, kernels,
                                          [True, True])
-        g_qkv = torch.cat([self._merge(t, h) for t in (g_q, g_k, g_v)], dim=-1)
+        g_qkv = r("g_qkv", torch.cat([self._merge(t, h) for t in (g_q, g_k, g_v)], dim=-1), gradient=True)
         (g_x,), in_grads = _LINEAR.backward(a_in, g_qkv, [x], parts["qkv"], self._proj(params, "in"), kernels,
                                             [need_input])
         grads = dict(g_merged=g_merged, g_mixed=g_mixed, g_weights=g_weights, g_v=g_v, g_scores=g_scores, g_q=g_q,
@@ -145,8 +174,16 @@ class Attention(Op):
         return grads, param_grads
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
-        parts = self._parts_forward(attrs, xs[0], params, kernels)
-        grads, param_grads = self._parts_backward(attrs, g, xs[0], parts, params, kernels, need[0])
+        return self.backward_rounded(attrs, g, xs, y, params, kernels, need, None)
+
+    # a reduced format's sampled runs: q, k, v, the weights and the merged heads are operands of products (scores
+    # too where results are stored in the format); in the backward the gradients the products read
+    def forward_rounded(self, attrs, xs, params, kernels, rounded):
+        return self._parts_forward(attrs, xs[0], params, kernels, rounded)["y"]
+
+    def backward_rounded(self, attrs, g, xs, y, params, kernels, need, rounded):
+        parts = self._parts_forward(attrs, xs[0], params, kernels, rounded)
+        grads, param_grads = self._parts_backward(attrs, g, xs[0], parts, params, kernels, need[0], rounded)
         return [grads["g_x"]], param_grads
 
     # error model: the parts' rules, each head a sample ------------------------------------------------
@@ -184,6 +221,15 @@ class Attention(Op):
         _, inside = self._backward_chain(attrs, g, quiet, own_memo, params, ctx, [False])
         for name, part in parts.items():
             part.accumulation = part.accumulation + inside[name].propagated
+        if ctx.precision in REDUCED_FORMATS:
+            # the sampled runs draw the format's roundings inside (forward_rounded): what they leave is the float32
+            # accumulation's share, the same chain at the accumulation's precision
+            ctx32 = self._context(ctx.kernels, ctx.u, ctx.lam)
+            exact_input = Field(out.memo["input"].value, None, None)
+            f32 = self._forward_chain(attrs, exact_input, out.value, params, ctx32, False)
+            _, inside32 = self._backward_chain(attrs, g, quiet, f32.memo, params, ctx32, [False])
+            for name, part in parts.items():
+                part.drawn = inside[name].propagated - inside32[name].propagated
         return [e_x], parts
 
     def _backward_chain(self, attrs, g, grad, memo, params, ctx, need):
@@ -239,6 +285,7 @@ class DotProductAttention(Op):
     name = "dot_product_attention"
     arity = 3
     rounds_inside = True
+    rounded_params = ()  # q, k and v are its inputs
     keys = {"scale": None}
     reads_error_backward = True
     torch_calls = (torch.nn.functional.scaled_dot_product_attention,)
@@ -288,20 +335,35 @@ class DotProductAttention(Op):
     def torch_forward(self, attrs, xs, module):
         return torch.nn.functional.scaled_dot_product_attention(*xs, scale=attrs["scale"])
 
-    def _parts(self, attrs, xs, kernels):
+    def _parts(self, attrs, xs, kernels, rounded=None):
+        r = rounded or _exact
         a_s, a_sm, a_mix = self._attrs(attrs, xs[0].shape[-1])
-        scores = _MATMUL.forward(a_s, xs[:2], {}, kernels)
-        weights = _SOFTMAX.forward(a_sm, [scores], {}, kernels)
+        scores = r("scores", _MATMUL.forward(a_s, xs[:2], {}, kernels), stored=True)
+        weights = r("weights", _SOFTMAX.forward(a_sm, [scores], {}, kernels))
         return scores, weights, _MATMUL.forward(a_mix, [weights, xs[2]], {}, kernels)
 
     def forward(self, attrs, xs, params, kernels):
         return self._parts(attrs, xs, kernels)[2]
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
+        return self.backward_rounded(attrs, g, xs, y, params, kernels, need, None)
+
+    # a reduced format's sampled runs: q, k, v are its inputs (rounded there), the weights an operand of a product
+    # (the scores too where results are stored in the format); in the backward the gradients the products read
+    def forward_rounded(self, attrs, xs, params, kernels, rounded):
+        return self._parts(attrs, xs, kernels, rounded)[2]
+
+    def backward_rounded(self, attrs, g, xs, y, params, kernels, need, rounded):
+        r = rounded or _exact
         a_s, a_sm, a_mix = self._attrs(attrs, xs[0].shape[-1])
-        scores, weights, y = self._parts(attrs, xs, kernels)
+        stored = y
+        scores, weights, y = self._parts(attrs, xs, kernels, rounded)
         (g_weights, g_v), _ = _MATMUL.backward(a_mix, g, [weights, xs[2]], y, {}, kernels, [True, need[2]])
+        g_weights = r("g_weights", g_weights, stored=True, gradient=True)
         (g_scores,), _ = _SOFTMAX.backward(a_sm, g_weights, [scores], weights, {}, kernels, [True])
+        if rounded is not None:  # the sampled runs: the output as this run stored it (SampledOp's draws on it)
+            g_scores = g_scores + _stored_output_statistic(a_sm, weights, g, stored, y)
+        g_scores = r("g_scores", g_scores, gradient=True)
         (g_q, g_k), _ = _MATMUL.backward(a_s, g_scores, xs[:2], scores, {}, kernels, need[:2])
         return [g_q, g_k, g_v], {}
 

@@ -534,6 +534,7 @@ class GroupNorm(Normalisation):
     whole sample (radius None), never another sample."""
 
     name = "group_norm"
+    autocast_float32 = True
     keys = {"groups": REQUIRED, "channels": REQUIRED, "eps": 1e-5, "affine": True}
     stat_dims = (2, 3, 4)
 
@@ -623,6 +624,7 @@ class LayerNorm(Normalisation):
     are normalised by group_norm with one group (over C·H·W) instead."""
 
     name = "layer_norm"
+    autocast_float32 = True
     keys = {"features": REQUIRED, "eps": 1e-5, "affine": True}
     stat_dims = (2,)
 
