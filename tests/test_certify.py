@@ -171,14 +171,18 @@ def test_a_reduced_formats_sampled_runs_stop_after_the_forward():
     assert plain.grads == {} and plain.loss == full.loss and np.array_equal(plain.output, full.output)
 
 
-def test_an_attention_block_keeps_the_reduced_formats_unsampled():
+def test_an_attention_block_is_sampled_under_a_reduced_claim_through_its_own_roundings():
     """An attention block rounds products of its own intermediates (q·kᵀ, softmax·v), which no draw on its inputs
-    reaches: a reduced-format claim keeps errmodel's operand model there; float32 is sampled as before."""
+    reaches: it draws them itself (Op.forward_rounded), so every claim is sampled; an op that rounds inside without
+    doing so keeps errmodel's operand model under a reduced claim."""
     from precision_lab import sampled
+    from precision_lab.ops import OPS, Op
 
     network = load_model(MODELS / "vit-prenorm-block.json")  # nn.MultiheadAttention's op (a matmul op is sampled)
     trace = reference(make_problem(network.default_size(16), 2, 0, network=network))
-    assert sampled.applies(trace, "float32") and not sampled.applies(trace, "tf32")
+    assert all(sampled.applies(trace, claim) for claim in ("float32", "tf32", "bfloat16", "float16"))
+    assert sampled._unrounded_inside(type("Opaque", (Op,), {"rounds_inside": True})())
+    assert not sampled._unrounded_inside(OPS["attention"]) and not sampled._unrounded_inside(OPS["dot_product_attention"])
 
 
 def _biased_dncnn_bn():

@@ -252,3 +252,13 @@ def test_the_references_own_accuracy_reads_the_finite_bounds_only():
 
     assert reference_accuracy(np.array([np.inf, 1.0, 2.0])) == pytest.approx(2.0 * 2.0 ** -53 / 2.0 ** -24)
     assert reference_accuracy(np.array([np.inf, np.inf])) == 0.0
+
+
+def test_a_right_float16_autocast_program_is_not_read_as_bfloat16():
+    """Storing results in float16 flips ReLUs near the zeros bfloat16 flips: with the float16 operand emulation alone
+    as the legitimate order, this right program's conv8.weight error correlated r = 0.953 with bfloat16's and was
+    named bfloat16; autocast's own float16 run is a legitimate order too."""
+    problem = make_problem(32, 2, 0, network="examples/models/deep-denoiser.json")
+    judgement = judge(registry()["autocast-float16"].compute(problem), reference(problem), "float16",
+                      "autocast-float16", fingerprint=True)
+    assert judgement.verdict == "roundoff" and judgement.format is None
