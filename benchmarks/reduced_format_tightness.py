@@ -38,7 +38,7 @@ from precision_lab.verdict import judge
 MODELS = Path(__file__).resolve().parents[1] / "examples" / "models"
 NETWORKS = ("seed", "small-unet.json", "dncnn-bn.json", "resnet-projection.json", "deep-denoiser.json",
             "lenet-classifier.json", "conv-transpose-decoder.json", "gn-gelu.json", "mobile-block.json",
-            "dropout-denoiser.json")
+            "dropout-denoiser.json", "vit-block.json", "vit-heads.json", "vit-prenorm-block.json")
 
 
 def programs(fmt: str):
