@@ -282,6 +282,19 @@ def upstream_bounds(trace, precision: str, lam: float, forward_only: bool = Fals
 REDUCED_SAMPLES = 64
 
 
+def activation_pools(network) -> dict[int, int]:
+    """{activation layer: max pool layer} for each (leaky) ReLU read by a max pool alone: their decisions are judged
+    together (MaxPool2d.switch_flips_after_activation)."""
+    pairs = {}
+    for layer in network.layers:
+        if OPS[layer.op].switches and hasattr(OPS[layer.op], "switch_flips_after_activation") and layer.inputs[0] >= 0:
+            source = network.layers[layer.inputs[0]]
+            if (OPS[source.op].switches and hasattr(OPS[source.op], "negative_slope")
+                    and len(network.consumers.get(source.index, ())) == 1 and source.inputs[0] >= 0):
+                pairs[source.index] = layer.index
+    return pairs
+
+
 def factor_for(samples: int, probability: float | None = None) -> float:
     """c with 2·(1 + c²/K)^(−K/2) = `probability` (default: that of SAMPLES, FACTOR): the same risk at K runs."""
     p = failure_probability() if probability is None else probability
@@ -331,13 +344,24 @@ def reduced_upstream_bounds(trace, precision: str, lam: float, loss_scale: float
         for name, value in (("loss", run.loss), ("output", run.output)):
             squares[name] = squares[name] + (np.asarray(value, np.float64) - references[name]) ** 2
     flips = {}
+    pairs = activation_pools(network)
     for layer in switching_layers:
         source = rules[layer.inputs[0]]
         x = trace.value(layer.inputs[0]).to(torch.float64)
-        mean, spread, expected = OPS[layer.op].switch_flips(layer.attrs, x, source.squares / samples,
-                                                           trace.grad_at(layer.index).to(torch.float64), samples)
+        if layer.index in pairs.values():  # judged with the activation it reads (below)
+            continue
+        if layer.index in pairs:
+            pool = network.layers[pairs[layer.index]]
+            mean, spread, expected = OPS[pool.op].switch_flips_after_activation(
+                pool.attrs, x, source.squares / samples, trace.grad_at(pool.index).to(torch.float64), samples,
+                OPS[layer.op].negative_slope(layer.attrs))
+            name = f"{layer.name or f'layer {layer.index}'} + {pool.name or f'layer {pool.index}'}"
+        else:
+            mean, spread, expected = OPS[layer.op].switch_flips(layer.attrs, x, source.squares / samples,
+                                                               trace.grad_at(layer.index).to(torch.float64), samples)
+            name = layer.name or f"layer {layer.index}"
         rules[layer.index].flips = (mean, spread)
-        flips[layer.name or f"layer {layer.index}"] = expected
+        flips[name] = expected
     for rule in rules.values():
         rule.record, rule.squares, rule.frozen = False, None, True
     rules["loss"] = SampledLoss(LOSSES[network.loss], draw, u, precision if precision in formats.STORED_FORMATS

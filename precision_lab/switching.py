@@ -18,6 +18,18 @@ precision_lab.sampled), heavier-tailed than a Gaussian for the margin the estima
 Decisions whose flips are least likely are left out while their probabilities add up to at most EXCLUDED (a
 union bound: with probability ≥ 1 − EXCLUDED none of them flips), so the runs carry only the flips that may
 happen.
+
+The scale. The runs treat every source as sub-Gaussian and bound a quantity by c·√(its variance proxy), so a
+flip's draw has the scale of its centred Bernoulli's least variance proxy, J²·(1 − 2p)/(2·ln((1 − p)/p))
+(`subgaussian_proxy`), not its variance J²·p(1 − p): a rare flip that happens moves its quantity by the whole
+jump J, and with the variance a flip of p < 1/37 lies beyond c·√p·J at c = 6 (a right bfloat16 program's weight
+gradient was 1.14× its bound so). The proxy is √(1/(2·ln(1/p)))·J: 0.19·J at p = 10⁻⁶, so c·√proxy covers a jump.
+
+Decisions that read each other. A max pool of a ReLU's output (nothing else reading it) decides twice on the same
+values: max(f(z)) = f(max z) for a monotone f. Judged one at a time, a window whose elements are all closed is a
+tie at 0 that the reference routes to its first element, where the ReLU's frozen mask stops every jump the pool
+adds: an element that opens passes the whole window's gradient and no model sees it. Such a pair is judged on z
+together (ops.routing.MaxPool2d.switch_flips_after_activation; sampled.activation_pools).
 """
 from __future__ import annotations
 
@@ -48,8 +60,17 @@ def kept(probability: torch.Tensor) -> torch.Tensor:
 
 
 def bernoulli(jump: torch.Tensor, probability: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, standard deviation) of a change that is `jump` with `probability`, 0 otherwise."""
-    return jump * probability, jump.abs() * torch.sqrt(probability * (1.0 - probability))
+    """(mean, sub-Gaussian scale) of a change that is `jump` with `probability`, 0 otherwise (module docstring)."""
+    return jump * probability, jump.abs() * torch.sqrt(subgaussian_proxy(probability))
+
+
+def subgaussian_proxy(probability: torch.Tensor) -> torch.Tensor:
+    """The least variance proxy of a centred Bernoulli(p): (1 − 2p) / (2·ln((1 − p)/p)), ¼ at p = ½, 0 at p = 0
+    (Kearns & Saul 1998; optimal: Berend & Kontorovich 2013, Electron. Commun. Probab. 18(3))."""
+    p = probability.clamp(min=torch.finfo(probability.dtype).tiny, max=0.5)
+    proxy = (1.0 - 2.0 * p) / (2.0 * torch.log((1.0 - p) / p))
+    proxy = torch.where(p >= 0.5 - 1e-12, torch.full_like(p, 0.25), proxy)
+    return torch.where(probability > 0, proxy, torch.zeros_like(proxy))
 
 
 def expected_flips(probability: torch.Tensor) -> float:
@@ -57,4 +78,4 @@ def expected_flips(probability: torch.Tensor) -> float:
     return float(probability.sum())
 
 
-__all__ = ["EXCLUDED", "bernoulli", "expected_flips", "flip_probability", "kept"]
+__all__ = ["EXCLUDED", "bernoulli", "expected_flips", "flip_probability", "kept", "subgaussian_proxy"]

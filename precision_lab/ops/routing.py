@@ -184,6 +184,45 @@ class MaxPool2d(Pool):
         return (self._fold(attrs, mean, x.shape), self._fold(attrs, variance_w, x.shape).sqrt(),
                 switching.expected_flips(p))
 
+    def switch_flips_after_activation(self, attrs, z, variance, g, samples, slope: float):
+        """switch_flips for a max pool reading a (leaky) ReLU of `z` that nothing else reads, at the activation's input.
+
+        max(f(z)) = f(max z) for a monotone f, so the pair decides twice on z: which element is the window's largest,
+        and whether that largest passes. Judged apart, a window whose elements are all closed is a tie at 0 that the
+        reference routes to its first element, where the activation's mask stops it: opening any other element (the
+        likeliest is the largest z) would pass the whole window's gradient, which neither op's own model sees.
+        Jumps are at z's gradient (the activation's frozen mask must not stop them): element j taking over the
+        largest m passes g·f′(z_j) at j, where f′ jumps to 1 only if z_j is also opened, and takes g·f′(z_m) from m;
+        the largest opening or closing moves (1 − slope)·g at m."""
+        values = self._windows(attrs, z, fill=-torch.finfo(z.dtype).max)
+        sigmas = self._windows(attrs, variance.sqrt())
+        top, where = values.max(dim=2, keepdim=True)
+        top_sigma = sigmas.gather(2, where)
+        spread = sigmas + top_sigma
+        taken = switching.flip_probability(top - values, spread * spread, samples).scatter(2, where,
+                                                                                               torch.zeros_like(top))
+        # a closed element passes (1 − slope)·g only if it also opens: the rarer of the two events bounds both
+        opened = torch.minimum(taken, switching.flip_probability(values.abs(), sigmas * sigmas, samples))
+        opened = torch.where(values > 0, torch.zeros_like(opened), opened)
+        top_flips = switching.flip_probability(top.abs(), top_sigma * top_sigma, samples)
+        probabilities = switching.kept(torch.cat([taken, opened, top_flips], dim=2))
+        k = values.shape[2]
+        taken, opened, top_flips = probabilities[:, :, :k], probabilities[:, :, k:2 * k], probabilities[:, :, 2 * k:]
+        window_grad = g.flatten(2).unsqueeze(2)
+        passes = torch.where(values > 0, torch.ones_like(values), torch.full_like(values, slope))
+        top_passes = passes.gather(2, where)
+        mean_t, deviation_t = switching.bernoulli(window_grad * passes, taken)
+        mean_o, deviation_o = switching.bernoulli(window_grad * (1.0 - slope), opened)
+        # what m loses when j takes over: g·f′(z_m), once per j
+        mean_l, deviation_l = switching.bernoulli(-window_grad * top_passes, taken)
+        jump_top = torch.where(top > 0, -window_grad, window_grad) * (1.0 - slope)
+        mean_f, deviation_f = switching.bernoulli(jump_top, top_flips)
+        mean = (mean_t + mean_o).scatter(2, where, mean_l.sum(dim=2, keepdim=True) + mean_f)
+        variance_w = (deviation_t ** 2 + deviation_o ** 2).scatter(
+            2, where, (deviation_l ** 2).sum(dim=2, keepdim=True) + deviation_f ** 2)
+        return (self._fold(attrs, mean, z.shape), self._fold(attrs, variance_w, z.shape).sqrt(),
+                switching.expected_flips(probabilities))
+
     def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
         if not need[0]:
             return [None], {}
