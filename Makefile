@@ -57,7 +57,7 @@ lab: setup ## open the notebooks in JupyterLab (installed into .venv on first us
 	$(VENV)/bin/jupyter lab notebooks/
 
 test: setup system-deps ## run the test suite (unit tests, notebooks with quick parameters, end-to-end checks)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=20
 
 bench: setup ## print the benchmark ratios (float64 reference, cost of a diagnosis, algorithms)
 	$(LAB) bench
