@@ -112,12 +112,20 @@ def trajectory_figure(traj: pd.DataFrame, margin: float, steps_label: str = "SGD
     times `margin`, experiments.optimizer_step.ENVELOPE_MARGIN) dashed."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.9))
     colours = _candidate_colours(traj.member)
-    envelope = traj[traj.role.isin(["envelope", "both"])].groupby("step").weight_distance.agg(["min", "max"])
-    moved = envelope.index > 0
-    axes[1].fill_between(envelope.index[moved], envelope["min"][moved].clip(lower=1e-18),
-                         envelope["max"][moved].clip(lower=1e-18), color="0.85", label="legitimate float32 envelope")
-    axes[1].plot(envelope.index[moved], envelope["max"][moved] * margin, color="0.35", ls="--", lw=1,
-                 label=f"envelope edge × {margin:g} (limit)")
+    spans = traj.envelope if "envelope" in traj else pd.Series("float32", index=traj.index)
+    claims = traj.claim if "claim" in traj else pd.Series("float32", index=traj.index)
+    members = traj[traj.role.isin(["envelope", "both"])]
+    limits = {}
+    # one band per format: a candidate is held to the envelope of the format it claims
+    for fmt, shade in zip(dict.fromkeys(spans[members.index]), ("0.85", "#f3d9b1", "#cfe3f3", "#d8efd0")):
+        envelope = members[spans[members.index] == fmt].groupby("step").weight_distance.agg(["min", "max"])
+        moved = envelope.index > 0
+        axes[1].fill_between(envelope.index[moved], envelope["min"][moved].clip(lower=1e-18),
+                             envelope["max"][moved].clip(lower=1e-18), color=shade, alpha=0.9,
+                             label=f"legitimate {fmt} envelope")
+        axes[1].plot(envelope.index[moved], envelope["max"][moved] * margin, color="0.35", ls="--", lw=1,
+                     label=f"{fmt} envelope edge × {margin:g} (limit)")
+        limits[fmt] = (envelope["max"] * margin)[moved]  # the test of experiments.optimizer_step.envelope_verdicts
     for name, group in traj.groupby("member", sort=False):
         style = "--" if (group.role == "envelope").all() else "-"
         label = f"{name} (envelope)" if (group.role == "envelope").all() else name
@@ -132,15 +140,17 @@ def trajectory_figure(traj: pd.DataFrame, margin: float, steps_label: str = "SGD
         ax.set_xlabel(steps_label)
     handles = [h for ax in axes for h in ax.get_legend_handles_labels()[0]]
     labels = [label for ax in axes for label in ax.get_legend_handles_labels()[1]]
-    fig.suptitle("k SGD steps: does each candidate stay with legitimate float32 implementations?", fontsize=11)
+    fig.suptitle("k SGD steps: does each candidate stay with legitimate implementations of its format?", fontsize=11)
     fig.tight_layout()
     fig.legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))  # beside, never over, the lines
-    limit = (envelope["max"] * margin)[moved]  # the test of experiments.optimizer_step.envelope_verdicts
-    outside = [name for name, group in traj[traj.role.isin(["candidate", "both"])].groupby("member", sort=False)
-               if (group.set_index("step").weight_distance.reindex(limit.index) > limit).any()]
-    set_caption(fig, "Look at the right panel: a legitimate float32 implementation stays in the grey envelope, below "
-                     "the dashed limit; " + (f"{', '.join(outside)} cross it." if outside else
-                                             "every candidate stays below it."))
+    outside = []
+    for name, group in traj[traj.role.isin(["candidate", "both"])].groupby("member", sort=False):
+        limit = limits.get(claims[group.index[0]])
+        if limit is not None and (group.set_index("step").weight_distance.reindex(limit.index) > limit).any():
+            outside.append(name)
+    shaded = "the grey envelope" if set(limits) <= {"float32"} else "the envelope of the format it claims"
+    set_caption(fig, f"Look at the right panel: a legitimate implementation stays in {shaded}, below its dashed "
+                     "limit; " + (f"{', '.join(outside)} cross it." if outside else "every candidate stays below it."))
     return fig
 
 

@@ -46,6 +46,36 @@ def test_trajectories_separate_the_slip_from_the_envelope(cpu_case):
     assert verdicts.loc["fortran-replay-flip", "max_distance_over_envelope"] > 1e3
 
 
+def test_a_reduced_claim_is_held_to_the_envelope_of_its_own_format(cpu_case):
+    # a right bfloat16 program leaves the float32 envelope as surely as a slip; within bfloat16's it stays, and the
+    # same program with a spatially flipped weight gradient leaves that too
+    from dataclasses import replace
+
+    import numpy as np
+
+    from precision_lab.candidates import get_builtin
+
+    device, problem, chosen, _ = cpu_case
+    right = get_builtin("autocast-bfloat16")
+
+    def flipped(problem, precision, device):
+        result = right.run(problem, precision, device)
+        return replace(result, grads={**result.grads, "conv2.weight": np.ascontiguousarray(
+            result.grads["conv2.weight"][..., ::-1, ::-1])})
+
+    slipped = replace(right, name="autocast-bfloat16-flipped", run=flipped)
+    traj = optimizer_step.trajectories(problem, [right, slipped], [chosen[0]], device, steps=3, lr=0.01)
+    assert set(traj[traj.envelope == "bfloat16"].member) == {"autocast-bfloat16", "bf16-emulated"}
+    verdicts = optimizer_step.envelope_verdicts(traj).set_index("candidate")
+    assert (verdicts.envelope == "bfloat16").all()
+    assert verdicts.loc["autocast-bfloat16", "inside_envelope"]
+    assert not verdicts.loc["autocast-bfloat16-flipped", "inside_envelope"]
+    # held to float32's instead, the right program would be outside by more than the margin
+    float32 = traj[traj.envelope == "float32"].groupby("step").weight_distance.max()
+    own = traj[traj.member == "autocast-bfloat16"].set_index("step").weight_distance
+    assert (own[1:] / float32[1:]).max() > optimizer_step.ENVELOPE_MARGIN
+
+
 def test_trajectory_size_defaults_to_the_problem_size_on_a_gpu_only():
     import torch
 

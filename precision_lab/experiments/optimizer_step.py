@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from .. import formats
 from ..candidates import Candidate
 from ..conclusions import (Conclusion, Finding, Measurement, action_for, judgement_detail, judgement_measurements,
                            judgement_phrase, skipped_notes, unprobed_notes, verdict_groups)
@@ -127,12 +128,45 @@ def _trajectory(step_fn, problem: Problem, steps: int, lr: float, dtype: torch.d
     return records
 
 
+#: legitimate programs of each reduced format, at least two arithmetics apiece (stored results or not, every pass or
+#: the weight gradient's only, loss-scaled or not): a candidate claimed in the format is judged against them, since a
+#: right bfloat16 program leaves the float32 envelope as surely as a slip does
+FORMAT_ENVELOPES = {
+    "tf32": ("tf32-emulated", "tf32-weight-grad-only", "native-tf32"),
+    "bfloat16": ("autocast-bfloat16", "bf16-emulated"),
+    "float16": ("autocast-float16", "float16-emulated"),
+}
+
+
+def _float16_emulated() -> Candidate:
+    from ..candidates.builtin import emulated
+
+    return Candidate(name="float16-emulated", run=emulated("float16"), claimed_precision="float16",
+                     description="float32 arithmetic with every operand rounded to float16 (no loss scale): an "
+                                 "envelope member of float16 claims")
+
+
+def format_envelopes(candidates: list[Candidate], device: torch.device, network=None) -> dict[str, list[Candidate]]:
+    """{format: its envelope's members that run here} for every reduced format a candidate claims."""
+    from ..candidates import registry
+
+    known = registry() | {"float16-emulated": _float16_emulated()}
+    envelopes = {}
+    for fmt in dict.fromkeys(c.claimed_precision for c in candidates):
+        if fmt in formats.REDUCED_FORMATS:
+            members = [known[name] for name in FORMAT_ENVELOPES[fmt] if name in known]
+            envelopes[fmt] = [m for m in members if m.supports(device) and (network is None or m.applies_to(network))]
+    return envelopes
+
+
 def trajectories(problem: Problem, candidates: list[Candidate], envelope: list[Candidate],
                  device: torch.device, steps: int = 20, lr: float = 0.01) -> pd.DataFrame:
     """k SGD steps for every candidate and envelope member, against the float64 trajectory.
 
+    `envelope` spans float32's; a candidate claimed in a reduced format brings its format's (FORMAT_ENVELOPES).
     Rows: member × step with loss, loss difference to float64 and the relative weight distance
-    ‖w − w_ref‖₂ / ‖w_ref‖₂ over all parameters; `role` says candidate, envelope or both.
+    ‖w − w_ref‖₂ / ‖w_ref‖₂ over all parameters; `role` says candidate, envelope or both, `envelope` the format
+    whose envelope the member spans (empty for a candidate alone), `claim` the member's claimed format.
     """
     def ref_step(params):
         # the float64 trajectory: float64 weights, no rounding to float32 between steps
@@ -140,8 +174,13 @@ def trajectories(problem: Problem, candidates: list[Candidate], envelope: list[C
                                  problem.targets, problem.masks), device)
 
     ref_records = _trajectory(ref_step, problem, steps, lr, torch.float64, "float64")
-    members = {c.name: c for c in envelope} | {c.name: c for c in candidates}
-    envelope_names = {c.name for c in envelope}
+    spans = {c.name: "float32" for c in envelope}
+    extra = {}
+    for fmt, members in format_envelopes(candidates, device, problem.network).items():
+        for member in members:
+            spans.setdefault(member.name, fmt)
+            extra.setdefault(member.name, member)
+    members = {c.name: c for c in envelope} | extra | {c.name: c for c in candidates}
     candidate_names = {c.name for c in candidates}
     rows = []
     for name, member in progress(members.items(), desc="01 trajectories", unit="member"):
@@ -152,23 +191,42 @@ def trajectories(problem: Problem, candidates: list[Candidate], envelope: list[C
         for (step, loss, weights), (_, ref_loss, ref_weights) in zip(records, ref_records):
             diff = np.sqrt(sum(np.sum((weights[k] - ref_weights[k]) ** 2) for k in ref_weights))
             norm = np.sqrt(sum(np.sum(ref_weights[k] ** 2) for k in ref_weights))
-            role = "both" if name in envelope_names and name in candidate_names else (
-                "envelope" if name in envelope_names else "candidate")
-            rows.append({"member": name, "role": role, "step": step, "loss": loss, "loss_ref": ref_loss,
+            role = "both" if name in spans and name in candidate_names else (
+                "envelope" if name in spans else "candidate")
+            rows.append({"member": name, "role": role, "envelope": spans.get(name, ""),
+                         "claim": member.claimed_precision, "step": step, "loss": loss, "loss_ref": ref_loss,
                          "loss_diff": loss - ref_loss, "weight_distance": float(diff / norm)})
     return pd.DataFrame(rows)
 
 
+def _spans(traj: pd.DataFrame) -> pd.Series:
+    """The format each row's envelope spans (float32 for tables written before formats had envelopes)."""
+    return traj.envelope if "envelope" in traj else pd.Series("float32", index=traj.index)
+
+
+def _claims(traj: pd.DataFrame) -> pd.Series:
+    return traj.claim if "claim" in traj else pd.Series("float32", index=traj.index)
+
+
 def envelope_verdicts(traj: pd.DataFrame) -> pd.DataFrame:
-    """Is each candidate's trajectory inside the envelope (× ENVELOPE_MARGIN) at every step?"""
-    env = traj[traj.role.isin(["envelope", "both"])].groupby("step").agg(
-        envelope_distance=("weight_distance", "max"), envelope_loss_diff=("loss_diff", lambda s: s.abs().max()))
+    """Is each candidate's trajectory inside the envelope of its claimed format (× ENVELOPE_MARGIN) at every step?
+    A format with no member that runs here has no envelope: inside_envelope is then empty (not judged)."""
+    spans, claims = _spans(traj), _claims(traj)
+    members = traj[traj.role.isin(["envelope", "both"])]
     rows = []
     for name, group in traj[traj.role.isin(["candidate", "both"])].groupby("member", sort=False):
+        claim = claims[group.index[0]]
+        own = members[spans[members.index] == claim]
+        if own.empty:
+            rows.append({"candidate": name, "envelope": claim, "final_weight_distance":
+                         float(group.weight_distance.iloc[-1]), "final_envelope_distance": float("nan"),
+                         "max_distance_over_envelope": float("nan"), "inside_envelope": None})
+            continue
+        env = own.groupby("step").agg(envelope_distance=("weight_distance", "max"))
         merged = group.set_index("step").join(env)
         moved = merged.index > 0  # step 0 has identical weights for everyone
         excess = (merged.weight_distance[moved] / merged.envelope_distance[moved].clip(lower=1e-300)).max()
-        rows.append({"candidate": name, "final_weight_distance": float(merged.weight_distance.iloc[-1]),
+        rows.append({"candidate": name, "envelope": claim, "final_weight_distance": float(merged.weight_distance.iloc[-1]),
                      "final_envelope_distance": float(merged.envelope_distance.iloc[-1]),
                      "max_distance_over_envelope": float(excess),
                      "inside_envelope": bool(excess <= ENVELOPE_MARGIN)})
@@ -213,11 +271,15 @@ def summarise(decisions: dict, masking: pd.DataFrame, envelope: pd.DataFrame | N
     """One row per candidate for the index: the decided verdict (precision_lab.decision), the update error and
     the trajectory."""
     rows = []
-    inside = {} if envelope is None else envelope.set_index("candidate").inside_envelope.to_dict()
+    table = None if envelope is None else envelope.set_index("candidate")
+    inside = {} if table is None else table.inside_envelope.to_dict()
+    spans = {} if table is None or "envelope" not in table else table.envelope.to_dict()
     for row in masking.itertuples():
-        trajectory = ("" if row.candidate not in inside else
-                      "; trajectory inside the float32 envelope" if inside[row.candidate] else
-                      "; trajectory leaves the float32 envelope")
+        span = spans.get(row.candidate, "float32")
+        trajectory = ("" if row.candidate not in inside or inside[row.candidate] is None
+                      or pd.isna(inside[row.candidate]) else
+                      f"; trajectory inside the {span} envelope" if inside[row.candidate] else
+                      f"; trajectory leaves the {span} envelope")
         headline = (f"update error {format_number(row.sgd_update_rel_err)} vs weight error "
                     f"{format_number(row.sgd_weight_rel_err)} (weights hide it {format_factor(row.weights_hide_by)})"
                     f"{trajectory}")
@@ -248,12 +310,13 @@ def conclude(summary, masking, envelope, judgements: dict, lr: float, adam_lr: f
         measurements = judgement_measurements(judgement)[:2] + [
             Measurement("weights after one SGD step hide the gradient error by", format_factor(m.weights_hide_by),
                         "the update lr·g hides nothing: compare updates")]
-        if row.candidate in inside:
+        if row.candidate in inside and inside[row.candidate]["inside_envelope"] is not None \
+                and not pd.isna(inside[row.candidate]["inside_envelope"]):
             e = inside[row.candidate]
             where = "stay inside" if e["inside_envelope"] else "leave"
             text += (f" Over {steps if steps is not None else 'k'} SGD steps its weights {where} the envelope of "
-                     f"legitimate float32 implementations (worst step at {format_factor(e['max_distance_over_envelope'])}"
-                     f" the envelope's edge).")
+                     f"legitimate {e.get('envelope', 'float32')} implementations (worst step at "
+                     f"{format_factor(e['max_distance_over_envelope'])} the envelope's edge).")
             measurements.append(Measurement("weight distance to float64 ÷ envelope edge, worst step",
                                             format_factor(e["max_distance_over_envelope"]),
                                             f"inside: ≤ {ENVELOPE_MARGIN:g}×"))
