@@ -15,7 +15,8 @@ from ..ops import OPS, BoundContext, Field, GradField, Kernels
 def localise(quantities, result: Result, reference: Trace, claimed: str) -> list[Finding]:
     """Name where a failure starts: the first op whose local check fails (with intermediates), else the
     earliest failing quantity in backprop order."""
-    if not any(q.verdict != "roundoff" for q in quantities.values()):
+    # an inconclusive quantity has not failed (its bound could not certify it): it starts nothing
+    if not any(_failing(q) for q in quantities.values()):
         return []
     if result.intermediates:
         found = _first_failing_op(result, reference, claimed)
@@ -26,10 +27,14 @@ def localise(quantities, result: Result, reference: Trace, claimed: str) -> list
                                   for suffix in ("weight", "bias") if f"{layer.name}.{suffix}" in network.param_shapes]
     for name in order:
         q = quantities.get(name)
-        if q is not None and q.verdict != "roundoff":
+        if q is not None and _failing(q):
             return [Finding("localisation", name=f"first failing quantity in backprop order: {name}",
                             numbers={"by": "backprop order", "quantity": name})]
     return []
+
+
+def _failing(q) -> bool:
+    return q.verdict not in ("roundoff", "inconclusive")
 
 
 def _first_failing_op(result: Result, reference: Trace, claimed: str) -> str | None:
