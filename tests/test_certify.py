@@ -285,7 +285,7 @@ def _deep_network(layers: int = 6, channels: int = 8):
 
 
 @pytest.mark.slow
-def test_a_deep_network_above_the_sampled_size_is_settled_by_its_probes(monkeypatch):
+def test_a_deep_network_above_the_sampled_size_is_settled_by_its_probes(monkeypatch, shared_references):
     # |W|·E compounds through 7 layers to bounds far above the gradients (inconclusive, exit 1, before) where
     # the problem is too large to sample; the probes are sampled and certify every quantity, a slip there too
     from precision_lab import sampled

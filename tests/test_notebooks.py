@@ -1,4 +1,4 @@
-"""Every notebook executed through papermill with params/quick.yaml, asserting what it found."""
+"""Every notebook executed with params/quick.yaml (`precision-lab run`, as `make quick`), asserting what it found."""
 import math
 import struct
 
@@ -12,29 +12,21 @@ from precision_lab.plots import DPI
 from precision_lab.results import figure_caption
 
 NOTEBOOKS = sorted(p.stem for p in NOTEBOOKS_DIR.glob("[0-9][0-9]-*.ipynb"))
-QUICK = yaml.safe_load((PARAMS_DIR / "quick.yaml").read_text())
 
 
 @pytest.fixture(scope="module")
-def executed(tmp_path_factory):
-    """Run each notebook once (quick parameters it declares, plus run_dir); map name → run folder."""
-    run_dir = tmp_path_factory.mktemp("run")
-    done = {}
-    for name in NOTEBOOKS:
-        source = NOTEBOOKS_DIR / f"{name}.ipynb"
-        declared = papermill.inspect_notebook(str(source))
-        parameters = {k: v for k, v in QUICK.items() if k in declared}
-        parameters["run_dir"] = str(run_dir)
-        papermill.execute_notebook(str(source), str(run_dir / f"{name}.ipynb"), parameters=parameters,
-                                   kernel_name="precision-lab", progress_bar=False, log_output=False)
-        done[name] = run_dir / name
-    return done
+def executed(quick_run):
+    """Each notebook run once with the quick parameters it declares (conftest.quick_run, shared with the report and
+    reproducibility tests); map name → (tables folder, executed notebook)."""
+    tmp, done = quick_run
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {name: (tmp / "runs" / "quick" / name, tmp / "reports" / "quick" / f"{name}.ipynb") for name in NOTEBOOKS}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_writes_a_summary_and_a_headline_figure(executed, name):
-    folder = executed[name]
+    folder, _ = executed[name]
     summary = pd.read_csv(folder / "summary.csv")
     assert list(summary.columns[:4]) == ["candidate", "experiment", "verdict", "headline"]
     assert len(summary) >= 1 and summary.verdict.isin(["roundoff", "reduced-precision", "layout", "defect", "inconclusive"]).all()
@@ -50,7 +42,7 @@ def test_notebook_writes_a_summary_and_a_headline_figure(executed, name):
 
 
 def _verdicts(executed, name):
-    return pd.read_csv(executed[name] / "summary.csv").set_index("candidate").verdict
+    return pd.read_csv(executed[name][0] / "summary.csv").set_index("candidate").verdict
 
 
 @pytest.mark.slow
@@ -65,7 +57,7 @@ def test_native_is_roundoff_and_the_replay_slip_is_flagged(executed, name):
 
 @pytest.mark.slow
 def test_float64_recompilation_ratios(executed):
-    ratios = pd.read_csv(executed["02-float64-recompilation"] / "ratios.csv")
+    ratios = pd.read_csv(executed["02-float64-recompilation"][0] / "ratios.csv")
     params = ratios[ratios.quantity != "loss"].set_index(["candidate", "quantity"]).ratio
     assert params["native"].max() <= 1e-6  # rounding error vanishes with the arithmetic
     flip_weights = params["fortran-replay-flip"].filter(like="weight")
@@ -74,16 +66,16 @@ def test_float64_recompilation_ratios(executed):
 
 @pytest.mark.slow
 def test_optimizer_step_masking_numbers(executed):
-    masking = pd.read_csv(executed["01-optimizer-step"] / "masking.csv").set_index("candidate")
+    masking = pd.read_csv(executed["01-optimizer-step"][0] / "masking.csv").set_index("candidate")
     assert masking.loc["native", "weights_hide_by"] > 10
     assert masking.loc["fortran-replay-flip", "grad_rel_err"] > 0.1
-    envelope = pd.read_csv(executed["01-optimizer-step"] / "envelope.csv").set_index("candidate")
+    envelope = pd.read_csv(executed["01-optimizer-step"][0] / "envelope.csv").set_index("candidate")
     assert not envelope.loc["fortran-replay-flip", "inside_envelope"]
 
 
 @pytest.mark.slow
 def test_size_sweep_fits(executed):
-    fits = pd.read_csv(executed["03-size-sweep"] / "fits.csv")
+    fits = pd.read_csv(executed["03-size-sweep"][0] / "fits.csv")
     native = fits[(fits.candidate == "native") & fits.parameter.str.endswith("weight")]
     assert native.alpha_vs_S.between(-0.5, 1.0).all() and not native.alpha_vs_S.apply(math.isnan).any()
 
@@ -91,7 +83,7 @@ def test_size_sweep_fits(executed):
 @pytest.mark.slow
 def test_noise_floor_members_stay_below_the_bound(executed):
     """Five or more legitimate float32 orders: none may exceed the model's bound (no false alarm)."""
-    floor = pd.read_csv(executed["03-size-sweep"] / "noise_floor.csv")
+    floor = pd.read_csv(executed["03-size-sweep"][0] / "noise_floor.csv")
     members = floor[floor.member != "ensemble-spread"]
     assert members.member.nunique() >= 5
     assert (members.bound_ratio <= 1.0).all()
@@ -102,7 +94,7 @@ def test_noise_floor_members_stay_below_the_bound(executed):
 def test_gradient_check_settles_the_kan_candidates(executed):
     """06: the right KAN is roundoff, the planted bugs are defects naming their tensors (float32-only too), within
     budget."""
-    summary = pd.read_csv(executed["06-gradient-check"] / "summary.csv").set_index("candidate")
+    summary = pd.read_csv(executed["06-gradient-check"][0] / "summary.csv").set_index("candidate")
     verdicts = summary.verdict.to_dict()
     assert {k: verdicts[k] for k in ("kan", "kan-bug", "kan-bug-float32", "relu-bug", "relu-conv-bug")} == {
         "kan": "roundoff", "kan-bug": "defect", "kan-bug-float32": "defect", "relu-bug": "defect",
@@ -113,7 +105,7 @@ def test_gradient_check_settles_the_kan_candidates(executed):
     assert "layer2.spline_weight" in summary.headline["kan-bug"]
     assert "spline_weight" in summary.headline["kan-bug-float32"]
     assert (summary.program_calls <= 60).all()
-    rates = pd.read_csv(executed["06-gradient-check"] / "pass_rates.csv")
+    rates = pd.read_csv(executed["06-gradient-check"][0] / "pass_rates.csv")
     right = rates[rates.candidate == "kan"].set_index("epsilon")
     assert right.pass_rate[1e-5] < 0.5 < right.pass_rate.max()  # the pass rate measures ε, not the gradient
     assert (right.predicted_pass_rate - right.pass_rate).abs().max() < 0.1  # and the measured noise predicts it
@@ -124,12 +116,12 @@ def test_notebook_ends_in_its_conclusion_drawn_from_its_summary(executed, name):
     """The last cell shows the conclusion; its verdicts are the summary's, each with something to do."""
     import nbformat
 
-    folder = executed[name]
+    folder, notebook_file = executed[name]
     conclusions = pd.read_csv(folder / "conclusions.csv", keep_default_na=False)
     summary = pd.read_csv(folder / "summary.csv")
     assert dict(zip(conclusions.candidate, conclusions.verdict)) == dict(zip(summary.candidate, summary.verdict))
     assert (conclusions.action.str.len() > 0).all() and (conclusions.evidence.str.len() > 0).all()
-    notebook = nbformat.read(folder.parent / f"{name}.ipynb", as_version=4)
+    notebook = nbformat.read(notebook_file, as_version=4)
     last = notebook.cells[-1]
     shown = "".join(o.get("data", {}).get("text/html", "") for o in last.get("outputs", []))
     assert 'id="conclusion"' in shown and "What to do:" in shown

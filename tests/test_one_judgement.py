@@ -37,9 +37,9 @@ def _zoo(network, whole: bool = True):
             and (whole or c.family == "defect" or c.name in LEGITIMATE_SAMPLE)]
 
 
-def _experiment_verdicts(problem, candidates, with_01: bool = True):
+def _experiment_verdicts(problem, candidates, with_01: bool = True, decisions02: dict | None = None):
     """candidate → {experiment: verdict} from 01, 02 and 03 (one size: the requested problem's), as the notebooks
-    call them."""
+    call them; 02's decisions go into `decisions02` where given."""
     out = {c.name: {} for c in candidates}
     if with_01:  # 01 decides exactly as 03 does on one size, without the scaling evidence
         _, judgements = optimizer_step.single_step(problem, candidates, CPU)
@@ -48,6 +48,8 @@ def _experiment_verdicts(problem, candidates, with_01: bool = True):
     _, decisions, _ = float64_recompilation.recompilation_table(problem, candidates, CPU)
     for name, decision in decisions.items():
         out[name]["02"] = decision.verdict
+    if decisions02 is not None:
+        decisions02.update(decisions)
     if problem.height == problem.width:
         _, decisions = size_sweep.sweep([problem.height], candidates, CPU, problem.batch, problem.seed,
                                         network=problem.network)
@@ -58,7 +60,7 @@ def _experiment_verdicts(problem, candidates, with_01: bool = True):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("network_name", list(NETWORKS))
-def test_every_experiment_reaches_diagnoses_verdict_on_every_zoo_candidate(network_name):
+def test_every_experiment_reaches_diagnoses_verdict_on_every_zoo_candidate(network_name, shared_references):
     spec, size = NETWORKS[network_name]
     network = load_model(spec)
     problem = make_problem(network.default_size(size or 32), 2, 0, network=network)
@@ -84,13 +86,21 @@ def test_every_experiment_reaches_diagnoses_verdict_on_every_zoo_candidate(netwo
 HIDDEN_SLIPS = ("first-column-skipped", "last-row-skipped", "padding-offset", "lost-atomic-update")
 
 
-@pytest.mark.slow
-def test_slips_that_hide_under_the_bound_are_not_rounding_in_any_experiment():
-    """At 256² the seed network's first-column slip uses 0.76 of conv1.weight's bound: the requested problem alone
-    says roundoff. Every experiment must still say what `diagnose` says (the probes catch it)."""
+@pytest.fixture(scope="module")
+def hidden_slips():
+    """The hidden slips at 256² through 01, 02 and 03: (problem, candidates, verdicts, 02's decisions)."""
     problem = make_problem(256, 2, 0)
     candidates = [registry()[name] for name in HIDDEN_SLIPS]
-    experiments = _experiment_verdicts(problem, candidates)
+    decisions02 = {}
+    experiments = _experiment_verdicts(problem, candidates, decisions02=decisions02)
+    return problem, candidates, experiments, decisions02
+
+
+@pytest.mark.slow
+def test_slips_that_hide_under_the_bound_are_not_rounding_in_any_experiment(hidden_slips, shared_references):
+    """At 256² the seed network's first-column slip uses 0.76 of conv1.weight's bound: the requested problem alone
+    says roundoff. Every experiment must still say what `diagnose` says (the probes catch it)."""
+    problem, candidates, experiments, _ = hidden_slips
     unprobed = decide_all(problem, candidates[:1], CPU, {candidates[0].name: _judged(candidates[0], problem)},
                           probes="none")[candidates[0].name]
     assert unprobed.verdict == "roundoff" and not unprobed.probed  # the case: hidden on the requested problem
@@ -118,12 +128,10 @@ def test_the_motivating_replays_are_decided_as_diagnose_decides_them():
 
 
 @pytest.mark.slow
-def test_a_fitted_slip_names_the_verdict_before_the_float64_builds_persisting_error():
+def test_a_fitted_slip_names_the_verdict_before_the_float64_builds_persisting_error(hidden_slips):
     """Notebook 02 at 256²: the first-column slip hides under the requested problem's bound, its error persists in
     the float64 build (a defect there), and the probes' defect doctor fits the slip: the slip is what is named."""
-    problem = make_problem(256, 2, 0)
-    _, decisions, _ = float64_recompilation.recompilation_table(problem, [registry()["first-column-skipped"]], CPU)
-    decision = decisions["first-column-skipped"]
+    decision = hidden_slips[3]["first-column-skipped"]
     assert decision.verdict == "defect"
     assert decision.main.cause_by == "evidence" and "persists in the float64 build" in decision.main.cause
     summary = decision.summary()

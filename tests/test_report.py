@@ -214,19 +214,20 @@ def test_default_run_ids_do_not_collide(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_notebooks_with_quick_parameters(tmp_path):
-    """The suite's notebooks, run as `make quick` does: every notebook ok, every candidate on the index."""
+def test_real_notebooks_with_quick_parameters(quick_run, tmp_path):
+    """The suite's notebooks, run as `make quick` does (conftest.quick_run): every notebook ok, every candidate on the
+    index."""
     if not sorted(NOTEBOOKS_DIR.glob("*.ipynb")):
         pytest.skip("notebooks/ holds no notebooks yet")
     quick = PARAMS_DIR / "quick.yaml"
-    done = fixture_run(tmp_path, "--params", quick, "--run-id", "quick", notebooks_dir=NOTEBOOKS_DIR)
+    run, done = quick_run
     assert done.returncode == 0, done.stderr[-3000:]
-    index = (tmp_path / "reports" / "quick" / "index.html").read_text()
+    index = (run / "reports" / "quick" / "index.html").read_text()
     notebooks = [nb.stem for nb in sorted(NOTEBOOKS_DIR.glob("*.ipynb"))]
     for name in notebooks:
-        assert (tmp_path / "reports" / "quick" / f"{name}.html").is_file()
+        assert (run / "reports" / "quick" / f"{name}.html").is_file()
     assert len(re.findall(r'class="status-ok"', index)) == len(notebooks)
-    summaries = pd.concat([pd.read_csv(p) for p in (tmp_path / "runs" / "quick").glob("*/summary.csv")])
+    summaries = pd.concat([pd.read_csv(p) for p in (run / "runs" / "quick").glob("*/summary.csv")])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runnable = [c for c in yaml.safe_load(quick.read_text())["candidates"] if resolve(c).supports(device)]
     assert runnable
@@ -236,7 +237,7 @@ def test_real_notebooks_with_quick_parameters(tmp_path):
     if CHROMIUM_FOUND:  # the same run in the browser (tests/test_browser.py), rather than running it twice
         from test_browser import check_run_in_browser
 
-        problems = check_run_in_browser(tmp_path / "reports" / "quick", tmp_path / "runs" / "quick" / "index.png",
+        problems = check_run_in_browser(run / "reports" / "quick", tmp_path / "index.png",
                                         tmp_path / "profile", require_conclusions=True)
         assert problems == {page: [] for page in problems}
 
