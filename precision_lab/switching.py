@@ -29,7 +29,7 @@ Decisions that read each other. A max pool of a ReLU's output (nothing else read
 values: max(f(z)) = f(max z) for a monotone f. Judged one at a time, a window whose elements are all closed is a
 tie at 0 that the reference routes to its first element, where the ReLU's frozen mask stops every jump the pool
 adds: an element that opens passes the whole window's gradient and no model sees it. Such a pair is judged on z
-together (ops.routing.MaxPool2d.switch_flips_after_activation; sampled.activation_pools).
+together (ops.pooling.MaxPool2d.switch_flips_after_activation; sampled.activation_pools).
 """
 from __future__ import annotations
 
