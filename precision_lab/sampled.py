@@ -346,10 +346,10 @@ def reduced_upstream_bounds(trace, precision: str, lam: float, loss_scale: float
     flips = {}
     pairs = activation_pools(network)
     for layer in switching_layers:
+        if layer.index in pairs.values():  # judged with the activation it reads
+            continue
         source = rules[layer.inputs[0]]
         x = trace.value(layer.inputs[0]).to(torch.float64)
-        if layer.index in pairs.values():  # judged with the activation it reads (below)
-            continue
         if layer.index in pairs:
             pool = network.layers[pairs[layer.index]]
             mean, spread, expected = OPS[pool.op].switch_flips_after_activation(
