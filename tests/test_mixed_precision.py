@@ -274,10 +274,16 @@ def test_a_right_float16_autocast_program_is_not_read_as_bfloat16():
     """Storing results in float16 flips ReLUs near the zeros bfloat16 flips: with the float16 operand emulation alone
     as the legitimate order, this right program's conv8.weight error correlated r = 0.953 with bfloat16's and was
     named bfloat16; autocast's own float16 run is a legitimate order too."""
+    from precision_lab.diagnosis import diagnose
+
     problem = make_problem(32, 2, 0, network="examples/models/deep-denoiser.json")
-    judgement = judge(registry()["autocast-float16"].compute(problem), reference(problem), "float16",
-                      "autocast-float16", fingerprint=True)
-    assert judgement.verdict == "roundoff" and judgement.format is None
+    candidate = registry()["autocast-float16"]
+    judgement = judge(candidate.compute(problem), reference(problem), "float16", "autocast-float16", fingerprint=True)
+    assert judgement.verdict != "reduced-precision" and judgement.format is None, judgement.verdict
+    # alone, conv1.bias's bound (eight ReLUs of flips below it, each at its sub-Gaussian scale) is 0.54 of the
+    # gradient, past the half rule: the probes and the float64 build settle it, as for any user
+    diagnosis = diagnose(candidate, problem, "cpu")
+    assert diagnosis.verdict == "roundoff" and not diagnosis.summary().named, diagnosis.to_text()
 
 
 def test_a_max_pool_of_a_relu_judges_an_all_closed_window_with_the_relu():
