@@ -311,9 +311,7 @@ class GlobalAvgPool2d(Op):
                 "ReduceMean other than over height and width")
         read = unary(node, graph)
         if not int(attr(node, "keepdims", 1)):  # (N, C) as tf2onnx writes GlobalAveragePooling2D: the pool, flattened
-            from .routing import Flatten  # registered there, after the pools
-
-            read.then = [{"op": Flatten.name}]
+            read.then = [{"op": "flatten"}]  # ops.routing.Flatten, by its registered name
         return read
 
     def from_torch_module(self, module):
