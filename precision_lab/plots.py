@@ -112,8 +112,7 @@ def trajectory_figure(traj: pd.DataFrame, margin: float, steps_label: str = "SGD
     times `margin`, experiments.optimizer_step.ENVELOPE_MARGIN) dashed."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.9))
     colours = _candidate_colours(traj.member)
-    spans = traj.envelope if "envelope" in traj else pd.Series("float32", index=traj.index)
-    claims = traj.claim if "claim" in traj else pd.Series("float32", index=traj.index)
+    spans, claims = traj.envelope, traj.claim  # experiments.optimizer_step.trajectories' columns
     members = traj[traj.role.isin(["envelope", "both"])]
     limits = {}
     # one band per format: a candidate is held to the envelope of the format it claims

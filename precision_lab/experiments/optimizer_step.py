@@ -199,19 +199,10 @@ def trajectories(problem: Problem, candidates: list[Candidate], envelope: list[C
     return pd.DataFrame(rows)
 
 
-def _spans(traj: pd.DataFrame) -> pd.Series:
-    """The format each row's envelope spans (float32 for tables written before formats had envelopes)."""
-    return traj.envelope if "envelope" in traj else pd.Series("float32", index=traj.index)
-
-
-def _claims(traj: pd.DataFrame) -> pd.Series:
-    return traj.claim if "claim" in traj else pd.Series("float32", index=traj.index)
-
-
 def envelope_verdicts(traj: pd.DataFrame) -> pd.DataFrame:
     """Is each candidate's trajectory inside the envelope of its claimed format (× ENVELOPE_MARGIN) at every step?
     A format with no member that runs here has no envelope: inside_envelope is then empty (not judged)."""
-    spans, claims = _spans(traj), _claims(traj)
+    spans, claims = traj.envelope, traj.claim
     members = traj[traj.role.isin(["envelope", "both"])]
     rows = []
     for name, group in traj[traj.role.isin(["candidate", "both"])].groupby("member", sort=False):
