@@ -5,8 +5,9 @@ SHELL := /bin/bash
 VENV        := .venv
 PYTHON      := $(VENV)/bin/python
 LAB         := $(VENV)/bin/precision-lab
-# torch for a machine without a CUDA GPU; a torch already importable (e.g. your CUDA build) is kept
-TORCH_SPEC  ?= torch==2.13.0
+# torch with the torchvision built for it (the model-zoo tests and examples/torchvision read torchvision's own
+# models), a CUDA build that runs on the CPU too; a torch already importable (e.g. your CUDA build) is kept
+TORCH_SPEC  ?= torch==2.14.1 torchvision==0.29.1
 TORCH_INDEX ?=
 PARAMS      ?= params/seed.yaml
 KERNEL      := precision-lab
@@ -26,7 +27,9 @@ $(VENV)/.installed: pyproject.toml
 	  else python3 -m venv $(VENV); fi; \
 	fi
 	$(PYTHON) -m pip install -q --upgrade pip
-	@$(PYTHON) -c 'import torch' 2>/dev/null || $(PYTHON) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
+	@$(PYTHON) -c 'import torch' 2>/dev/null || $(PYTHON) -m pip install -q $(TORCH_INDEX) $(TORCH_SPEC)
+	@$(PYTHON) -c 'import torchvision' 2>/dev/null || echo "note: no torchvision beside this torch: the model-zoo \
+	  tests are skipped (pip install the torchvision built for your torch)"
 	$(PYTHON) -m pip install -q -e ".[test]"
 	$(PYTHON) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "Python (precision-lab)" >/dev/null
 	@touch $@

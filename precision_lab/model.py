@@ -488,6 +488,8 @@ def load_model(source: Any = None, base_dir: str | Path | None = None) -> Networ
     if isinstance(source, Network):
         return source
     if isinstance(source, dict):
+        if MODULE_KEY in source:
+            return _module_form(source, "model")
         return _onnx_form(source, base_dir, "model") if ONNX_KEY in source else parse_spec(source)
     if isinstance(source, (str, Path)):
         text = str(source)
@@ -528,6 +530,49 @@ def _onnx_form(spec: dict, base_dir: str | Path | None, where: str) -> Network:
     if loss not in LOSSES:
         raise ModelSpecError(f"{where}: unknown loss {loss!r}: supported losses are {', '.join(LOSSES)}")
     return load_onnx(_resolved(file, base_dir), loss, spec.get("name"))
+
+
+#: a PyTorch module built by a callable, read as from_module reads it: {"module": "torchvision.models:resnet18",
+#: "arguments": {"num_classes": 10}, "loss": "cross_entropy"}; the candidate program builds the same module
+MODULE_KEY = "module"
+MODULE_FORM_KEYS = (MODULE_KEY, "arguments", "loss", "name", "input_channels", "training")
+
+
+def _module_form(spec: dict, where: str) -> Network:
+    """The network of {"module": "package.path:callable", "arguments": {…}, "loss": …, "training": true}: the callable
+    called with the arguments, in training mode unless `training` is false, traced (precision_lab.tracing)."""
+    import importlib
+
+    from .tracing import module_spec
+
+    unknown = sorted(set(map(str, spec)) - set(MODULE_FORM_KEYS))
+    if unknown:
+        raise ModelSpecError(f"{where}: unknown key {unknown[0]!r} beside 'module': expected keys among "
+                             f"{', '.join(MODULE_FORM_KEYS)}")
+    reference, arguments = spec[MODULE_KEY], spec.get("arguments", {})
+    if not isinstance(reference, str) or reference.count(":") != 1:
+        raise ModelSpecError(f"{where}: key 'module' is {reference!r}: expected 'package.module:callable' "
+                             f"(e.g. 'torchvision.models:resnet18')")
+    if not isinstance(arguments, dict):
+        raise ModelSpecError(f"{where}: key 'arguments' is {arguments!r}: expected a mapping of keyword arguments")
+    package, attribute = reference.split(":")
+    try:
+        build = getattr(importlib.import_module(package), attribute)
+    except ImportError as exc:
+        raise ModelSpecError(f"{where}: cannot import {package} ({exc}): install it beside precision-lab") from None
+    except AttributeError:
+        raise ModelSpecError(f"{where}: {package} has no {attribute!r}") from None
+    try:
+        module = build(**arguments)
+    except Exception as exc:  # noqa: BLE001 - the user's constructor: one line
+        raise ModelSpecError(f"{where}: {reference}(**{arguments}) failed: {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:200]}") from None
+    module.train(bool(spec.get("training", True)))
+    loss = spec.get("loss", MSE.name)
+    if loss not in LOSSES:
+        raise ModelSpecError(f"{where}: unknown loss {loss!r}: supported losses are {', '.join(LOSSES)}")
+    layer_spec = module_spec(module, spec.get("input_channels"), loss, spec.get("name") or attribute)
+    return parse_spec(layer_spec, f"{where} ({reference})")
 
 
 def load_onnx(path: str | Path, loss: str = MSE.name, name: str | None = None) -> Network:
@@ -571,6 +616,8 @@ def _load_file(path: Path, given: str) -> Network:
                              f"({' '.join(str(exc).split())})") from None
     if isinstance(spec, dict) and ONNX_KEY in spec:
         return _onnx_form({"name": path.stem, **spec}, path.parent, str(path))
+    if isinstance(spec, dict) and MODULE_KEY in spec:
+        return _module_form({"name": path.stem, **spec}, str(path))
     network = parse_spec(spec, str(path))
     if "name" not in spec:
         object.__setattr__(network, "name", path.stem)
