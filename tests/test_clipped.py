@@ -209,3 +209,43 @@ def test_the_whole_torchvision_mobilenets_convert(name, ops):
     assert ops <= {layer.op for layer in network.layers}
     relu6 = [layer for layer in network.layers if layer.op == "hardtanh"]
     assert all((layer.attrs["min_val"], layer.attrs["max_val"]) == (0.0, 6.0) for layer in relu6)
+
+
+def test_pytorchs_onnx_export_of_the_block_reads_as_from_module(tmp_path):
+    """nn.ReLU6 exports as Clip(0, 6), Hardswish as HardSwish, hardsigmoid as HardSigmoid (alpha 1/6), the gate as a
+    broadcasting Mul: read back, the same layers, computing the module's output."""
+    pytest.importorskip("onnx")
+    import io
+    import warnings
+
+    from precision_lab.model import read_onnx
+    from precision_lab.modules import SpecModule
+
+    torch.manual_seed(0)
+    module = MobileBlock().eval()
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():  # the TorchScript exporter's deprecation notice: it needs no onnxscript
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(module, torch.randn(1, 2, 16, 16), buffer, dynamo=False, opset_version=17,
+                          input_names=["x"], dynamic_axes={"x": {0: "N", 2: "H", 3: "W"}})
+    path = tmp_path / "block.onnx"
+    path.write_bytes(buffer.getvalue())
+    imported, params = read_onnx(path, loss="mse")
+    converted = from_module(module, loss="mse", input_channels=2)
+    assert [(layer.op, layer.attrs) for layer in imported.layers] == [(layer.op, layer.attrs) for layer in
+                                                                    converted.layers]
+    x = torch.randn(2, 2, 16, 16, dtype=torch.float64)
+    lab = SpecModule(imported, dtype=torch.float64)
+    lab.load_state_dict({k: torch.from_numpy(v).double() for k, v in params.items()})
+    expected = module.double()(x)
+    # float64 sums of a few hundred terms, as tests/test_onnx_import.py: ≈ 1e-13 of the output's scale
+    assert (lab(x) - expected).abs().max() <= 1e-12 * expected.abs().max()
+
+
+def test_a_hardtanh_whose_bounds_are_out_of_order_is_refused_in_one_line():
+    from precision_lab.model import ModelSpecError, parse_spec
+
+    with pytest.raises(ModelSpecError, match="'min_val' 6 is not below 'max_val' 0: swap them"):
+        parse_spec({"input_channels": 1, "loss": "mse", "layers": [
+            {"name": "conv", "op": "conv2d", "in": 1, "out": 2, "kernel": 3, "padding": 1},
+            {"op": "hardtanh", "min_val": 6, "max_val": 0}]})
