@@ -146,14 +146,16 @@ def test_pytorchs_float32_run_of_the_block_is_rounding_and_a_relu6_slip_is_named
     assert judgement.cause is not None and "gradient passed above 6" in judgement.cause, judgement.to_text()
 
 
-def _module_gradients(module, problem):
+def _module_gradients(module, problem, loss=None):
     """The module's float64 autograd (loss and parameter gradients) at the problem's parameters and input."""
     module = module.double()
     state = module.state_dict()
     with torch.no_grad():
         for key, value in problem.params.items():
             state[key].copy_(torch.from_numpy(value))
-    loss = F.cross_entropy(module(torch.from_numpy(problem.input).double()), torch.from_numpy(problem.target).long())
+    output = module(torch.from_numpy(problem.input).double())
+    loss = loss(output, torch.from_numpy(problem.target).double()) if loss else F.cross_entropy(
+        output, torch.from_numpy(problem.target).long())
     names = [name for name, _ in module.named_parameters()]
     return float(loss.detach()), dict(zip(names, (g.numpy() for g in torch.autograd.grad(loss, list(module.parameters())))))
 
@@ -249,3 +251,31 @@ def test_a_hardtanh_whose_bounds_are_out_of_order_is_refused_in_one_line():
         parse_spec({"input_channels": 1, "loss": "mse", "layers": [
             {"name": "conv", "op": "conv2d", "in": 1, "out": 2, "kernel": 3, "padding": 1},
             {"op": "hardtanh", "min_val": 6, "max_val": 0}]})
+
+
+def test_efficientnets_squeeze_excitation_gate_walks_as_its_autograd():
+    """torchvision.ops.SqueezeExcitation (EfficientNet's, SiLU inside): scale (N, C, 1, 1) · input (N, C, H, W) is a
+    mul whose factor's gradient sums over H·W."""
+    ops = pytest.importorskip("torchvision", reason="torchvision installs with make setup").ops
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = ops.Conv2dNormActivation(2, 16, activation_layer=nn.SiLU)
+            self.se, self.head = ops.SqueezeExcitation(16, 4, activation=nn.SiLU), nn.Conv2d(16, 1, 1)
+
+        def forward(self, x):
+            return self.head(self.se(self.stem(x)))
+
+    torch.manual_seed(0)
+    module = Block()
+    network = from_module(module, loss="mse", input_channels=2)
+    assert [layer.op for layer in network.layers][3:9] == ["global_avg_pool2d", "conv2d", "silu", "conv2d", "sigmoid",
+                                                           "mul"]
+    problem = make_problem(16, 2, 0, network=network)
+    walked = forward_backward(problem, "float64")
+    loss, grads = _module_gradients(module, problem, F.mse_loss)
+    assert abs(walked.loss - loss) <= 1e-12 * abs(loss)
+    largest = max(np.abs(g).max() for g in grads.values())
+    for parameter, expected in grads.items():  # the zero-gradient floor as for the MobileNets above
+        assert np.abs(walked.grads[parameter] - expected).max() <= 1e-10 * np.abs(expected).max() + 1e-14 * largest
