@@ -144,6 +144,10 @@ def test_pytorchs_float32_run_of_the_block_is_rounding_and_a_relu6_slip_is_named
     judgement = judge(forward_backward(problem, "float32", rules={index: relu_backward}), trace)
     assert judgement.verdict == "defect"
     assert judgement.cause is not None and "gradient passed above 6" in judgement.cause, judgement.to_text()
+    index = next(layer.index for layer in network.layers if layer.op == "hardswish")
+    unswitched = BackwardOf(OPS["hardswish"], lambda attrs, x: x / 3 + 0.5)  # (2x + 3)/6 below −3 and above 3 too
+    judgement = judge(forward_backward(problem, "float32", rules={index: unswitched}), trace, hypotheses=False)
+    assert judgement.verdict == "defect"
 
 
 def _module_gradients(module, problem, loss=None):
@@ -238,7 +242,7 @@ def test_pytorchs_onnx_export_of_the_block_reads_as_from_module(tmp_path):
                                                                     converted.layers]
     x = torch.randn(2, 2, 16, 16, dtype=torch.float64)
     lab = SpecModule(imported, dtype=torch.float64)
-    lab.load_state_dict({k: torch.from_numpy(v).double() for k, v in params.items()})
+    lab.load_state_dict({k: torch.from_numpy(np.array(v)).double() for k, v in params.items()})
     expected = module.double()(x)
     # float64 sums of a few hundred terms, as tests/test_onnx_import.py: ≈ 1e-13 of the output's scale
     assert (lab(x) - expected).abs().max() <= 1e-12 * expected.abs().max()

@@ -40,7 +40,6 @@ class Clipped(Op):
     masks = True
     switches = True
     reads_error_backward = True
-    below_value = 0.0
     above_slope = 0.0  # f' above hi: 0 for a clip, 1 for hardswish
     curvature = 0.0  # M₂ = sup|f_in''| on [lo, hi]
 
@@ -102,7 +101,7 @@ class Clipped(Op):
         propagated = reach * e
         own = self.own_forward(attrs, z.abs() + e, y.abs() + propagated, band, ctx.u)
         flip_count = int(torch.count_nonzero(flip)) if error is not None else 0
-        nonnegative = self.below_value >= 0 and not self.above_slope
+        nonnegative = not self.above_slope  # 0 below the kinks: hardtanh's own min_val decides it (its override)
         return Field(y, propagated + own, ins[0].radius, ins[0].flips + flip_count,
                      {"may_flip": flip if flip_count else None, "flip_count": flip_count}, nonnegative=nonnegative)
 
