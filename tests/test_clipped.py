@@ -283,3 +283,23 @@ def test_efficientnets_squeeze_excitation_gate_walks_as_its_autograd():
     largest = max(np.abs(g).max() for g in grads.values())
     for parameter, expected in grads.items():  # the zero-gradient floor as for the MobileNets above
         assert np.abs(walked.grads[parameter] - expected).max() <= 1e-10 * np.abs(expected).max() + 1e-14 * largest
+
+
+def test_a_reduced_formats_flips_at_both_kinks_are_bernoulli_jumps():
+    """switch_flips: each element near a kink flips with switching.flip_probability, moving its gradient by the
+    derivative across the kink minus its own; far from both kinks nothing flips."""
+    from precision_lab import switching
+
+    x = torch.tensor([1e-3, 6 - 2e-3, 3.0, -3 + 1e-3, 3 - 1e-3], dtype=torch.float64)
+    g = torch.tensor([2.0, -3.0, 5.0, 7.0, 11.0], dtype=torch.float64)
+    variance, samples = torch.full_like(x, 1e-6), 64
+    p = switching.flip_probability(torch.tensor([1e-3, 2e-3]), torch.tensor(1e-6), samples).double()
+    relu6 = OPS["hardtanh"]
+    mean, spread, expected = relu6.switch_flips(relu6.normalise({"min_val": 0.0, "max_val": 6.0}), x[:3], variance[:3],
+                                                g[:3], samples)
+    assert torch.allclose(mean, torch.stack([-g[0] * p[0], -g[1] * p[1], torch.tensor(0.0).double()]), rtol=1e-6)
+    assert float(spread[2]) == 0.0 and expected == pytest.approx(float(p.sum()), rel=1e-6)
+    swish = OPS["hardswish"]
+    mean, _, _ = swish.switch_flips({}, x[3:], variance[3:], g[3:], samples)
+    slopes = x[3:] / 3 + 0.5  # −½ just above −3 (across: 0), 3/2 just below 3 (across: 1)
+    assert torch.allclose(mean, torch.stack([(0 - slopes[0]) * g[3], (1 - slopes[1]) * g[4]]) * p[0], rtol=1e-6)
