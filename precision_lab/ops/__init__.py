@@ -630,6 +630,7 @@ from . import normalisation  # noqa: E402,F401 - registers batch_norm2d, group_n
 from . import tokens  # noqa: E402,F401 - registered after routing: flatten(2) is read after flatten refuses it
 from . import attention  # noqa: E402,F401 - after tokens: softmax and matmul act on tokens
 from . import multihead  # noqa: E402,F401 - after attention: its rules are linear's, matmul's and softmax's
+from . import clipped  # noqa: E402,F401 - after pointwise: its rules reuse the ReLU's mask and flip test
 
 __all__ = ["BATCH_SIZE", "BackwardReplaced", "BoundContext", "Field", "GradField", "Kernels", "LOSSES", "OPS", "Op", "OpSpecError",
            "OtherAttributes", "Parts", "PortSlip", "REQUIRED", "Rule", "SEED_CONV", "SPARSE_LIMIT", "SharedDraw", "has_values", "is_seed_conv", "register", "register_loss",
