@@ -165,3 +165,31 @@ def test_resnet18_runs_as_torchvision_at_any_size(resnet18, size):
     for name, parameter in module.named_parameters():
         expected = parameter.grad.numpy()
         assert np.abs(walked.grads[name] - expected).max() <= 1e-10 * np.abs(expected).max(), name
+
+
+def test_an_onnx_export_with_ceil_mode_reads_as_the_module(tmp_path):
+    pytest.importorskip("onnx", reason="onnx installs with make setup")
+    import io
+    import warnings
+
+    from precision_lab.model import read_onnx
+    from precision_lab.modules import SpecModule
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(1, 3, 3), nn.MaxPool2d(3, 2, ceil_mode=True),
+                           nn.AvgPool2d(3, 2, padding=1, ceil_mode=True, count_include_pad=False), nn.Conv2d(3, 2, 1))
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():  # the TorchScript exporter's notices
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, torch.randn(2, 1, 16, 16), buffer, dynamo=False, opset_version=17,
+                          input_names=["x"], dynamic_axes={"x": {0: "N", 2: "H", 3: "W"}})
+    path = tmp_path / "ceil.onnx"
+    path.write_bytes(buffer.getvalue())
+    imported, params = read_onnx(path, loss="mse")
+    converted = from_module(module, input_channels=1)
+    assert [(layer.op, layer.attrs) for layer in imported.layers] == [(layer.op, layer.attrs) for layer in converted.layers]
+    lab = SpecModule(imported, dtype=torch.float64)
+    lab.load_state_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in params.items()})
+    x = torch.randn(2, 1, 18, 17, dtype=torch.float64)  # partial last windows along both axes
+    with torch.no_grad():
+        assert torch.allclose(lab(x), module.double()(x), rtol=1e-12, atol=1e-12)
