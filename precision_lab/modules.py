@@ -110,12 +110,16 @@ def _sequential_layers(sequential: nn.Sequential, prefix: str = "") -> list[dict
 
 def _module_layer(module: nn.Module, name: str) -> dict:
     """The spec layer of one leaf module (named as in state_dict): the op that reads its class (Op.torch_modules)."""
+    refused = None
     for op in OPS.values():
         if isinstance(module, op.torch_modules):
             try:
                 return {"name": name, "op": op.name, **op.from_torch_module(module)}
             except OpSpecError as exc:
-                raise ModelSpecError(f"{name}: {exc}") from None
+                # another op may read the same class with these settings (AdaptiveAvgPool2d: 1×1 or other sizes)
+                refused = refused or exc
+    if refused is not None:
+        raise ModelSpecError(f"{name}: {refused}")
     readable = ", ".join(cls.__name__ for op in OPS.values() for cls in op.torch_modules)
     raise ModelSpecError(f"{name}: unsupported module {type(module).__name__}: supported ops are {', '.join(OPS)} "
                          f"({readable}, +, torch.cat)")

@@ -54,14 +54,18 @@ def test_bad_specs_name_the_layer_in_one_line(spec, message):
     assert "\n" not in str(info.value) and "spec.json" in str(info.value)
 
 
-def test_sizes_a_stride_or_pool_cannot_divide_name_the_layer():
+def test_sizes_the_network_cannot_take_name_the_layer():
+    """Strides and pools floor as PyTorch's (an odd input drops its last row); what refuses a size is a layer that
+    needs it: the upsample that must bring a stride back to the skip's size, the linear layer's fan-in."""
     unet = load_model(SPECS["unet"])
-    with pytest.raises(ModelSpecError, match=r"down: input height 21 is not a multiple of the stride 2"):
+    with pytest.raises(ModelSpecError, match=r"skip: concatenates a height of 22 with a height of 21"):
         unet.check_size(21, 26)
     classifier = load_model(SPECS["classifier"])
-    with pytest.raises(ModelSpecError, match=r"p2: input height 11 cannot be divided into 2-pixel windows"):
-        classifier.check_size(30, 30)
-    assert classifier.default_size(1024) == (28, 28)  # the linear layer fixes the input size
+    with pytest.raises(ModelSpecError, match=r"fc1: receives 768 features but declares 'in': 300"):
+        classifier.check_size(40, 40)
+    # the linear layer fixes the input size up to what the pools floor: 28 to 31 all reach 5×5 features
+    assert [n for n in range(20, 40) if classifier.fits(n, n)] == [28, 29, 30, 31]
+    assert classifier.default_size(1024) == (31, 31)
     assert unet.sizes_near(61, 67, limit=1) == [(62, 68)]
 
 
@@ -69,7 +73,7 @@ def test_diagnose_refuses_a_size_the_network_cannot_take(capsys):
     code = cli.main(["diagnose", "--candidate", "native", "--model", str(SPECS["unet"]), "--size", "31x32",
                      "--probes", "none"])
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "down: input height 31" in err
+    assert code == 2 and err.count("\n") == 1 and "skip: concatenates a height of 32 with a height of 31" in err
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -24,6 +24,7 @@ AROUND = {
     "linear": [CONV, {"op": "flatten"}, {"name": "fc", "op": "linear", "in": 2 * 6 * 6, "out": 3}],
     "max_pool2d": [CONV, {"op": "max_pool2d", "kernel": 2}],
     "avg_pool2d": [CONV, {"op": "avg_pool2d", "kernel": 3, "stride": 2, "padding": 1, "count_include_pad": False}],
+    "adaptive_avg_pool2d": [CONV, {"op": "adaptive_avg_pool2d", "size": [3, 2]}],
     "zero_pad2d": [CONV, {"op": "zero_pad2d", "padding": [0, 1, 2, 0]}, dict(CONV, name="s", stride=2, padding="same",
                                                                           **{"in": 2})],
     "upsample_nearest": [CONV, {"op": "upsample_nearest", "scale": 2}],

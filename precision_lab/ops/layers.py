@@ -193,10 +193,7 @@ class Conv2d(Op):
         if span < 1:
             raise OpSpecError(f"input {side} {length} is smaller than its {d * (k - 1) + 1}-pixel kernel window "
                               f"(padding {p})")
-        # an unpadded conv after a zero_pad2d (TF's "same") may tile its padded input exactly: nothing dropped
-        if s > 1 and length % s and not (p == 0 and (span - 1) % s == 0):
-            raise OpSpecError(f"input {side} {length} is not a multiple of the stride {s}: choose an image size the "
-                              f"network's strides divide")
+        # PyTorch's floor: the last rows no window reaches are dropped (no gradient there, and no error)
         return (span - 1) // s + 1
 
     def param_shapes(self, attrs):

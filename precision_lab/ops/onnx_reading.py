@@ -145,8 +145,8 @@ def multiplies_by_itself(node: OnnxNode | None, graph: OnnxGraph, x: str, gate: 
 
 
 def pool_window(node: OnnxNode) -> dict:
-    """kernel, stride and padding of an ONNX MaxPool/AveragePool (strides default to 1, ONNX's, not the kernel)."""
-    require(not int(attr(node, "ceil_mode", 0)), "ceil_mode 1 (a partial last window): export with ceil_mode=False")
+    """kernel, stride, padding and ceil_mode of an ONNX MaxPool/AveragePool (strides default to 1, ONNX's, not the
+    kernel; ceil_mode 1 read as PyTorch's, which exports it, a last window starting in the right padding dropped)."""
     require(attr(node, "auto_pad", "NOTSET") in ("NOTSET", "VALID"),
             f"auto_pad {attr(node, 'auto_pad')}: export with explicit pads")
     require(list(attr(node, "dilations", [1, 1])) == [1, 1], "dilations other than 1")
@@ -155,7 +155,7 @@ def pool_window(node: OnnxNode) -> dict:
     require(top == bottom and left == right, f"pads {[top, bottom, left, right]} (top, bottom, left, right) differ "
             f"before and after: the spec's pools pad each side alike")
     return {"kernel": list(attr(node, "kernel_shape")), "stride": list(attr(node, "strides", [1, 1])),
-            "padding": [top, left]}
+            "padding": [top, left], "ceil_mode": bool(int(attr(node, "ceil_mode", 0)))}
 
 
 #: where a nearest Resize output i reads, per ONNX coordinate_transformation_mode, for an integer scale s (the

@@ -1,7 +1,10 @@
 """Pools: max_pool2d, avg_pool2d and the global average pool.
 
-Rounding: max-pool copies values exactly; avg-pool sums k² terms and divides, its backward up to ⌈k/s⌉² gradients
-(Higham 2002, §3.1, with the probabilistic γ̃ of roundoff.py). What they do to upstream errors: avg-pool sums them;
+Sizes as PyTorch computes them: ⌊(H + 2p − k)/s⌋ + 1 windows (the last rows and columns no window reaches are
+dropped: no gradient, no error there), or with ceil_mode ⌈·⌉ + 1, a last partial window, less one that would start
+in the right padding. Rounding: max-pool copies values exactly; avg-pool sums each window's in-bounds terms (at most
+k²) and divides, its backward up to ⌈k/s⌉² gradients (Higham 2002, §3.1, with the probabilistic γ̃ of roundoff.py);
+the adaptive average pool likewise with its own windows (docs/error-model.md, "Pools"). What they do to upstream errors: avg-pool sums them;
 max-pool carries the largest error of its window and may *switch* where two inputs lie within their errors of each
 other (its gradient then goes to another element: the whole |g| at each contender, deterministically, as a flipped
 ReLU; under a reduced claim, a Bernoulli event of its probability: precision_lab.switching).
@@ -12,7 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import REQUIRED, Field, GradField, Op, OpSpecError, as_pair, gamma_over_lambda, gather_radius, spread
+from . import (REQUIRED, Field, GradField, Op, OpSpecError, OtherAttributes, PortSlip, Rule, as_pair, ceil_div,
+               gamma_over_lambda, gather_radius, spread)
 from .. import switching
 from .onnx_reading import attr, pool_window, require, unary
 
@@ -37,23 +41,54 @@ def _listed(value):
     return list(value) if isinstance(value, (tuple, list)) else value
 
 
+def pool_length(length: int, kernel: int, stride: int, padding: int, ceil_mode: bool) -> int:
+    """Windows along one axis as PyTorch counts them (aten pooling_output_shape): floor, or ceil less a last window
+    that would start in the right padding."""
+    span = length + 2 * padding - kernel
+    if not ceil_mode:
+        return span // stride + 1
+    count = ceil_div(span, stride) + 1
+    return count - 1 if (count - 1) * stride >= length + padding else count
+
+
+def per_window_gamma(counts: torch.Tensor, gamma, dtype) -> torch.Tensor:
+    """gamma(n) at each window of `counts` (its terms), formed once per distinct n."""
+    out = torch.empty(counts.shape, dtype=dtype)
+    for n in torch.unique(counts).tolist():
+        out[counts == n] = gamma(int(n))
+    return out
+
+
 class Pool(Op):
-    keys = {"kernel": REQUIRED, "stride": None, "padding": 0}
+    keys = {"kernel": REQUIRED, "stride": None, "padding": 0, "ceil_mode": False}
 
     def call_inputs(self, tensors, args):
         return tensors[:1]
 
+    #: the functional form's arguments after the input, in order (F.max_pool2d's; F.avg_pool2d's differ)
+    call_arguments = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+
     def from_torch_module(self, module):
-        if module.ceil_mode or getattr(module, "dilation", 1) not in (1, (1, 1)) or getattr(
-                module, "divisor_override", None) is not None:
-            raise OpSpecError(f"{type(module).__name__} with ceil_mode, dilation or divisor_override is not supported")
+        if getattr(module, "dilation", 1) not in (1, (1, 1)) or getattr(module, "divisor_override", None) is not None:
+            raise OpSpecError(f"{type(module).__name__} with dilation or divisor_override is not supported: "
+                              f"use dilation 1 and no divisor_override")
         return {"kernel": _listed(module.kernel_size), "stride": _listed(module.stride),
-                "padding": _listed(module.padding)}
+                "padding": _listed(module.padding), "ceil_mode": bool(module.ceil_mode)}
+
+    def _call_values(self, args, kwargs) -> dict:
+        values = dict(zip(self.call_arguments, args[1:]))
+        values.update({key: value for key, value in kwargs.items() if key in self.call_arguments})
+        if values.get("dilation", 1) not in (1, (1, 1), [1, 1]) or kwargs.get("divisor_override") is not None:
+            raise OpSpecError(f"{self.name} with dilation or divisor_override is not supported: "
+                              f"use dilation 1 and no divisor_override")
+        return values
 
     def from_torch_call(self, target, args, kwargs):
-        kernel = kwargs.get("kernel_size", args[1] if len(args) > 1 else None)
-        stride = kwargs.get("stride", args[2] if len(args) > 2 else None)
-        return {"kernel": _listed(kernel)} | ({"stride": _listed(stride)} if stride is not None else {})
+        values = self._call_values(args, kwargs)
+        attrs = {"kernel": _listed(values.get("kernel_size")), "padding": _listed(values.get("padding", 0)),
+                 "ceil_mode": bool(values.get("ceil_mode", False))}
+        stride = values.get("stride")
+        return attrs | ({"stride": _listed(stride)} if stride not in (None, [], ()) else {})
 
     def from_onnx_node(self, node, graph):
         return unary(node, graph, pool_window(node))
@@ -64,6 +99,8 @@ class Pool(Op):
         attrs["padding"] = as_pair(attrs["padding"], "padding", 0)
         if any(2 * p > k for p, k in zip(attrs["padding"], attrs["kernel"])):
             raise OpSpecError(f"'padding' {list(attrs['padding'])} must be at most half the kernel {list(attrs['kernel'])}")
+        if not isinstance(attrs["ceil_mode"], bool):
+            raise OpSpecError(f"'ceil_mode' is {attrs['ceil_mode']!r}: expected true or false")
         return attrs
 
     def out_shape(self, attrs, in_shapes):
@@ -76,15 +113,23 @@ class Pool(Op):
         k, s, p = attrs["kernel"][axis], attrs["stride"][axis], attrs["padding"][axis]
         side = ("height", "width")[axis]
         if length + 2 * p < k:
-            raise OpSpecError(f"input {side} {length} is smaller than the {k}-pixel pool window")
-        if (length + 2 * p - k) % s:
-            raise OpSpecError(f"input {side} {length} cannot be divided into {k}-pixel windows every {s} pixels "
-                              f"(the last {(length + 2 * p - k) % s} would be dropped): choose a size the pools divide")
-        return (length + 2 * p - k) // s + 1
+            raise OpSpecError(f"input {side} {length} is smaller than the {k}-pixel pool window: choose a larger "
+                              f"image size")
+        return pool_length(length, k, s, p, attrs["ceil_mode"])
 
     def describe(self, attrs):
         k, s = attrs["kernel"], attrs["stride"]
-        return f"{self.name} {k[0]}×{k[1]}" + (f"/{s[0]}" if s != k else "")
+        return f"{self.name} {k[0]}×{k[1]}" + (f"/{s[0]}" if s != k else "") + (" ceil" if attrs["ceil_mode"] else "")
+
+    def _padded(self, attrs, shape) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(top, bottom), (left, right) padding that the windows tile: ceil_mode's last partial window reaches past
+        the right padding, floor's last rows no window reads stay (unfold drops them)."""
+        pads = []
+        for axis, length in enumerate(shape[-2:]):
+            k, s, p = attrs["kernel"][axis], attrs["stride"][axis], attrs["padding"][axis]
+            count = pool_length(length, k, s, p, attrs["ceil_mode"])
+            pads.append((p, max(p, (count - 1) * s + k - length - p)))
+        return pads[0], pads[1]
 
     def reach(self, attrs) -> int:
         k, p = attrs["kernel"][0], attrs["padding"][0]
@@ -102,15 +147,19 @@ class Pool(Op):
     def _windows(self, attrs, t, fill: float = 0.0):
         """(N, C, k·k, L): each window's elements (padding filled with `fill`)."""
         n, c = t.shape[:2]
-        if any(attrs["padding"]):
-            t = F.pad(t, _pads(attrs), value=fill)
+        (top, bottom), (left, right) = self._padded(attrs, t.shape)
+        if top or bottom or left or right:
+            t = F.pad(t, (left, right, top, bottom), value=fill)
         cols = F.unfold(t, attrs["kernel"], stride=attrs["stride"])
         return cols.view(n, c, attrs["kernel"][0] * attrs["kernel"][1], -1)
 
     def _fold(self, attrs, windows, shape):
         n, c = windows.shape[:2]
-        return F.fold(windows.reshape(n, -1, windows.shape[-1]), shape[-2:], attrs["kernel"],
-                      padding=attrs["padding"], stride=attrs["stride"])
+        (top, bottom), (left, right) = self._padded(attrs, shape)
+        height, width = shape[-2:]
+        folded = F.fold(windows.reshape(n, -1, windows.shape[-1]), (top + height + bottom, left + width + right),
+                        attrs["kernel"], stride=attrs["stride"])
+        return folded[..., top:top + height, left:left + width]
 
 
 class MaxPool2d(Pool):
@@ -122,10 +171,10 @@ class MaxPool2d(Pool):
     onnx_ops = ("MaxPool",)
 
     def torch_forward(self, attrs, xs, module):
-        return F.max_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"])
+        return self.forward(attrs, xs, {}, None)
 
     def forward(self, attrs, xs, params, kernels):
-        return F.max_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"])
+        return F.max_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"], ceil_mode=attrs["ceil_mode"])
 
     def forward_error(self, attrs, ins, y, params, ctx):
         z, error = ins[0].value, ins[0].error
@@ -138,7 +187,7 @@ class MaxPool2d(Pool):
         contenders = (values + errors) >= (top - top_error)
         switching = contenders.sum(dim=2) > 1  # (N, C, L): a window the candidate may resolve differently
         count = int(torch.count_nonzero(switching))
-        out_error = None if error is None else F.max_pool2d(error, attrs["kernel"], attrs["stride"], attrs["padding"])
+        out_error = None if error is None else self.forward(attrs, [error], {}, None)
         memo = {"contenders": contenders * switching.unsqueeze(2), "switch_count": count} if count else {}
         radius = ins[0].radius if error is None else spread(ins[0].radius, self.reach(attrs), attrs["stride"][0])
         return Field(y, out_error, radius, ins[0].flips + count, memo)
@@ -216,11 +265,6 @@ class MaxPool2d(Pool):
         return [GradField(error, flips, radius, grad.flip_count + count)], {}
 
 
-def _pads(attrs):
-    ph, pw = attrs["padding"]
-    return (pw, pw, ph, ph)
-
-
 class AvgPool2d(Pool):
     name = "avg_pool2d"
     # PyTorch's flag and default: divide by k² (True) or by the window's in-bounds count (False, as TF's SAME)
@@ -229,6 +273,7 @@ class AvgPool2d(Pool):
     torch_modules = (torch.nn.AvgPool2d,)
     torch_calls = (F.avg_pool2d,)
     onnx_ops = ("AveragePool",)
+    call_arguments = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad")
 
     def from_onnx_node(self, node, graph):
         attrs = pool_window(node)
@@ -240,9 +285,14 @@ class AvgPool2d(Pool):
         attrs = super().from_torch_module(module)
         return attrs if module.count_include_pad else dict(attrs, count_include_pad=False)
 
+    def from_torch_call(self, target, args, kwargs):
+        attrs = super().from_torch_call(target, args, kwargs)
+        included = self._call_values(args, kwargs).get("count_include_pad", True)
+        return attrs if included else dict(attrs, count_include_pad=False)
+
     def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
         window_sum = self.forward(attrs, [xs[0].abs()], {}, None)
-        return gamma_over_lambda(self._terms(attrs) + 1, u, lam) * window_sum
+        return self._window_gammas(attrs, xs[0], lambda n: gamma_over_lambda(n + 1, u, lam)) * window_sum
 
     def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u, lam):
         overlap = -(-attrs["kernel"][0] // attrs["stride"][0]) * -(-attrs["kernel"][1] // attrs["stride"][1])
@@ -250,8 +300,7 @@ class AvgPool2d(Pool):
         return [gamma_over_lambda(overlap + 1, u, lam) * s_in]
 
     def torch_forward(self, attrs, xs, module):
-        return F.avg_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"],
-                            count_include_pad=attrs["count_include_pad"])
+        return self.forward(attrs, xs, {}, None)
 
     def check(self, attrs):
         if not isinstance(attrs["count_include_pad"], bool):
@@ -261,18 +310,31 @@ class AvgPool2d(Pool):
     def describe(self, attrs):
         return super().describe(attrs) + ("" if attrs["count_include_pad"] else " (padding not counted)")
 
+    def port_slips(self, attrs, in_shape):
+        if not (any(attrs["padding"]) or attrs["ceil_mode"]):
+            return []  # every window whole: both divisors are k²
+        other = not attrs["count_include_pad"]
+        text = ("divides each window by k², padding counted" if other else
+                "divides each window by its in-bounds count, padding not counted")
+        return [PortSlip("default", text, lambda: OtherAttributes(self, {"count_include_pad": other}), forward=True)]
+
     def forward(self, attrs, xs, params, kernels):
         # the error model calls this too (on |a| and on errors): S and the divisor follow the flag
-        return F.avg_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"],
+        return F.avg_pool2d(xs[0], attrs["kernel"], attrs["stride"], attrs["padding"], ceil_mode=attrs["ceil_mode"],
                             count_include_pad=attrs["count_include_pad"])
 
-    def _terms(self, attrs) -> int:
-        return attrs["kernel"][0] * attrs["kernel"][1]
+    def _window_gammas(self, attrs, x, gamma) -> torch.Tensor:
+        """gamma(n) at each output (H', W'), n the window's in-bounds terms (padding adds exact zeros): k² inside,
+        fewer at a padded border or ceil_mode's partial last window."""
+        ones = torch.ones((1, 1) + tuple(x.shape[-2:]), dtype=torch.float64)
+        counts = F.avg_pool2d(ones, attrs["kernel"], attrs["stride"], attrs["padding"], ceil_mode=attrs["ceil_mode"],
+                              divisor_override=1)[0, 0].round().long()
+        return per_window_gamma(counts, gamma, x.dtype).to(x.device)
 
     def forward_error(self, attrs, ins, y, params, ctx):
         a, error = ins[0].value, ins[0].error
-        # k² additions and one division: γ̃ of k² + 1 on the window's Σ|a|/k²
-        total = ctx.gamma(self._terms(attrs) + 1) * self.forward(attrs, [a.abs()], {}, None)
+        # n additions (the window's in-bounds terms) and one division: γ̃ of n + 1 on the window's Σ|a|/divisor
+        total = self._window_gammas(attrs, a, lambda n: ctx.gamma(n + 1)) * self.forward(attrs, [a.abs()], {}, None)
         if error is not None:
             total = total + self.forward(attrs, [error], {}, None)
         radius = 0 if error is None else spread(ins[0].radius, self.reach(attrs), attrs["stride"][0])
@@ -371,3 +433,141 @@ class GlobalAvgPool2d(Op):
     def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u, lam):
         n = xs[0].shape[2] * xs[0].shape[3]
         return [(u * g.abs() / n).expand_as(xs[0]) if need[0] else None]
+
+
+def adaptive_windows(length: int, size: int) -> list[tuple[int, int]]:
+    """(start, end) of each of `size` windows over `length` pixels, as PyTorch's adaptive pools cut them:
+    start = ⌊i·L/o⌋, end = ⌈(i + 1)·L/o⌉ (overlapping, and repeating pixels when L < o)."""
+    return [(i * length // size, ceil_div((i + 1) * length, size)) for i in range(size)]
+
+
+class AdaptiveAvgPool2d(Op):
+    """The average over adaptive windows, (C, H, W) → (C, h, w): AdaptiveAvgPool2d((h, w)) other than 1×1 (that is
+    global_avg_pool2d, whose order-free bound reads the whole image).
+
+    Output (i, j) is a sum of n = (end_i − start_i)·(end_j − start_j) terms, then one division: γ̃ of n + 1 on the
+    window's Σ|a|/n (Higham 2002, §3.1, as avg_pool2d); the input gradient at p sums g/n over the m windows that
+    hold p: γ̃ of m + 1 on that sum of |g|/n. Upstream errors average, as the forward."""
+
+    name = "adaptive_avg_pool2d"
+    keys = {"size": REQUIRED}
+    torch_modules = (torch.nn.AdaptiveAvgPool2d,)
+    torch_calls = (F.adaptive_avg_pool2d,)
+
+    _autograd_backward = Pool._autograd_backward
+
+    def from_torch_module(self, module):
+        return self._read(module.output_size)
+
+    def from_torch_call(self, target, args, kwargs):
+        return self._read(kwargs.get("output_size", args[1] if len(args) > 1 else None))
+
+    @staticmethod
+    def _read(size) -> dict:
+        pair = size if isinstance(size, (tuple, list)) else (size, size)
+        if any(side is None for side in pair):
+            raise OpSpecError(f"adaptive average pooling to {size!r}: a side of None (keep the input's) is not "
+                              f"supported: give both output sides")
+        return {"size": list(pair)}
+
+    def call_inputs(self, tensors, args):
+        return tensors[:1]
+
+    def check(self, attrs):
+        attrs["size"] = as_pair(attrs["size"], "size", 1)
+        return attrs
+
+    def out_shape(self, attrs, in_shapes):
+        return _resized(self, attrs, in_shapes[0])
+
+    def axis_length(self, attrs, lengths, axis):
+        return None if lengths[0] is None else attrs["size"][axis]
+
+    def describe(self, attrs):
+        return f"{self.name} → {attrs['size'][0]}×{attrs['size'][1]}"
+
+    def torch_forward(self, attrs, xs, module):
+        return F.adaptive_avg_pool2d(xs[0], attrs["size"])
+
+    def forward(self, attrs, xs, params, kernels):
+        return F.adaptive_avg_pool2d(xs[0], attrs["size"])
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        return [self._autograd_backward(attrs, g, xs[0]) if need[0] else None], {}
+
+    def _gammas(self, attrs, x, gamma, per_input: bool) -> torch.Tensor:
+        """gamma(n) at each output (its window's terms), or with `per_input` gamma(m) at each input pixel (the
+        windows that hold it)."""
+        counts = []
+        for axis in (0, 1):
+            length = x.shape[2 + axis]
+            windows = adaptive_windows(length, attrs["size"][axis])
+            if per_input:
+                counts.append(torch.tensor([sum(a <= q < b for a, b in windows) for q in range(length)]))
+            else:
+                counts.append(torch.tensor([b - a for a, b in windows]))
+        return per_window_gamma(torch.outer(*counts), gamma, x.dtype).to(x.device)
+
+    def forward_error(self, attrs, ins, y, params, ctx):
+        a, error = ins[0].value, ins[0].error
+        total = self._gammas(attrs, a, lambda n: ctx.gamma(n + 1), False) * self.forward(attrs, [a.abs()], {}, None)
+        if error is not None:
+            total = total + self.forward(attrs, [error], {}, None)
+        # a window spans up to ⌈H/h⌉ + 1 pixels: the output grid's radius is read as anywhere, as a global pool's
+        return Field(y, total, None, ins[0].flips)
+
+    def backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
+        if not need[0]:
+            return [None], {}
+        x = ins[0].value
+        error = self._gammas(attrs, x, lambda m: ctx.gamma(m + 1), True) * self._autograd_backward(attrs, g.abs(), x)
+        error = error + self._autograd_backward(attrs, grad.error, x)
+        flips = self._autograd_backward(attrs, grad.flips, x) if _has(grad.flips) else None
+        return [GradField(error, flips, None, grad.flip_count)], {}
+
+    def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
+        window_sum = self.forward(attrs, [xs[0].abs()], {}, None)
+        return self._gammas(attrs, xs[0], lambda n: gamma_over_lambda(n + 1, u, lam), False) * window_sum
+
+    def sampled_backward_scales(self, attrs, g, xs, y, params, kernels, need, grads, u, lam):
+        if not need[0]:
+            return [None]
+        s_in = self._autograd_backward(attrs, g.abs(), xs[0])
+        return [self._gammas(attrs, xs[0], lambda m: gamma_over_lambda(m + 1, u, lam), True) * s_in]
+
+    def port_slips(self, attrs, in_shape):
+        in_size = tuple(in_shape[-2:])
+        fixed = FixedWindows(self, in_size).windows(attrs)
+        if all(fixed[axis] == adaptive_windows(in_size[axis], attrs["size"][axis]) for axis in (0, 1)):
+            return []  # the same windows (h divides H, or 3 → 2): no port differs
+        return [PortSlip("routing", "pools with fixed windows (stride ⌊H/h⌋, kernel H − (h − 1)·stride) instead of "
+                         "PyTorch's adaptive ones", lambda: FixedWindows(self, in_size), forward=True)]
+
+
+class FixedWindows(Rule):
+    """An adaptive average pool computed as an avg_pool2d of stride ⌊H/h⌋ and kernel H − (h − 1)·stride (what
+    exporters and hand ports write, right only when h divides H)."""
+
+    def __init__(self, op, in_size):
+        self.op, self.in_size = op, in_size
+
+    def _attrs(self, attrs):
+        strides = [length // size for length, size in zip(self.in_size, attrs["size"])]
+        kernels = [length - (size - 1) * s for length, size, s in zip(self.in_size, attrs["size"], strides)]
+        return {"kernel": kernels, "stride": strides}
+
+    def windows(self, attrs) -> list[list[tuple[int, int]]]:
+        """(start, end) of each window along each axis."""
+        fixed = self._attrs(attrs)
+        return [[(i * s, i * s + k) for i in range(size)]
+                for size, s, k in zip(attrs["size"], fixed["stride"], fixed["kernel"])]
+
+    def forward(self, attrs, xs, params, kernels):
+        fixed = self._attrs(attrs)
+        return F.avg_pool2d(xs[0], fixed["kernel"], fixed["stride"])
+
+    def backward(self, attrs, g, xs, y, params, kernels, need):
+        with torch.enable_grad():
+            leaf = xs[0].detach().requires_grad_(True)
+            (h,) = torch.autograd.grad(self.forward(attrs, [leaf], params, kernels), leaf, g)
+        return [h if need[0] else None], {}

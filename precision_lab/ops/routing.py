@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from . import (REQUIRED, BackwardReplaced, Field, GradField, Op, OpSpecError, PortSlip, Rule, as_pair, dropping_slips,
                gamma_over_lambda, register)
 from .onnx_reading import OnnxRead, attr, flattens_each_sample, nearest_scale, require, zero_pads
-from .pooling import AvgPool2d, GlobalAvgPool2d, MaxPool2d, _has, _resized
+from .pooling import AdaptiveAvgPool2d, AvgPool2d, GlobalAvgPool2d, MaxPool2d, _has, _resized
 
 
 def _max_radius(radii):
@@ -430,7 +430,9 @@ def _text(shape) -> str:
     return "(" + ", ".join("?" if s is None else str(s) for s in shape) + ")"
 
 
-for _op in (MaxPool2d(), AvgPool2d(), UpsampleNearest(), Add(), Concat(), Flatten(), ZeroPad2d(), GlobalAvgPool2d()):
+# adaptive_avg_pool2d after global_avg_pool2d: it reads the AdaptiveAvgPool2d the global pool refuses (not 1×1)
+for _op in (MaxPool2d(), AvgPool2d(), UpsampleNearest(), Add(), Concat(), Flatten(), ZeroPad2d(), GlobalAvgPool2d(),
+            AdaptiveAvgPool2d()):
     register(_op)
 
 
