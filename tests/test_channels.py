@@ -1,0 +1,178 @@
+"""Channel moves: ShuffleNet's channel shuffle and `x.chunk(2, dim=1)` are read from PyTorch, walked as autograd in
+float64, bounded as exact copies, and their slips caught; sizes other than the batch's are read where they are a
+shuffle's, and refused in one line where they would fix the image size."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from precision_lab.compute import autograd_forward_backward, forward_backward
+from precision_lab.model import ModelSpecError
+from precision_lab.modules import from_module
+from precision_lab.ops import LOSSES, OPS, BackwardReplaced, OtherAttributes
+from precision_lab.problem import make_problem
+from precision_lab.reference import reference
+from precision_lab.verdict import judge
+
+
+def shuffle(x, groups):
+    """torchvision's channel_shuffle, as its users write it."""
+    batchsize, num_channels, height, width = x.size()
+    x = x.view(batchsize, groups, num_channels // groups, height, width)
+    x = torch.transpose(x, 1, 2).contiguous()
+    return x.view(batchsize, -1, height, width)
+
+
+class ShuffleUnit(nn.Module):
+    """A ShuffleNet v2 stride-1 unit on 8 channels, with a 3-group shuffle (not its own inverse) after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 12, 3, padding=1)
+        self.branch = nn.Sequential(nn.Conv2d(6, 6, 1), nn.ReLU(), nn.Conv2d(6, 6, 3, padding=1, groups=6))
+        self.head = nn.Conv2d(12, 2, 3, padding=1)
+
+    def forward(self, x):
+        x1, x2 = F.relu(self.stem(x)).chunk(2, dim=1)
+        return self.head(shuffle(torch.cat((x1, self.branch(x2)), dim=1), 3))
+
+
+@pytest.fixture(scope="module")
+def unit():
+    torch.manual_seed(0)
+    network = from_module(ShuffleUnit(), name="shuffle_unit")
+    return network, make_problem(16, 2, 0, network=network)
+
+
+def test_the_shuffle_is_torchvisions_and_its_backward_the_inverse():
+    x = torch.randn(2, 12, 3, 4, dtype=torch.float64, requires_grad=True)
+    expected = shuffle(x, 3)
+    rule = OPS["channel_shuffle"]
+    got = rule.forward({"groups": 3}, [x.detach()], {}, None)
+    assert torch.equal(got, expected.detach())
+    assert torch.equal(got[:, 1], x.detach()[:, 4])  # output channel 1 is group 1's first: input channel 12/3
+    g = torch.randn_like(expected)
+    back, = torch.autograd.grad(expected, x, g)
+    assert torch.equal(rule.backward({"groups": 3}, g, [x.detach()], got, {}, None, [True])[0][0], back)
+    assert torch.equal(F.channel_shuffle(x.detach(), 3), got)
+
+
+@pytest.mark.parametrize("call, attrs, channels", [
+    (lambda x: x.chunk(2, dim=1)[1], {"chunk": [1, 2]}, slice(3, 5)),  # ⌈5/2⌉ = 3 channels a piece
+    (lambda x: torch.split(x, [1, 4], dim=1)[1], {"channels": [1, 5]}, slice(1, 5)),
+    (lambda x: x.split(2, dim=1)[2], {"channels": [4, 6]}, slice(4, 5))])  # the last piece stops at the channels
+def test_a_channel_piece_is_torchs_and_its_gradient_lands_in_it(call, attrs, channels):
+    x = torch.randn(2, 5, 3, 3, dtype=torch.float64, requires_grad=True)
+    expected = call(x)
+    rule = OPS["channel_slice"]
+    attrs = rule.normalise(attrs)
+    assert rule.out_shape(attrs, [(5, 3, 3)]) == tuple(expected.shape[1:])
+    assert torch.equal(rule.forward(attrs, [x.detach()], {}, None), expected.detach())
+    g = torch.randn_like(expected)
+    back, = torch.autograd.grad(expected, x, g)
+    got = rule.backward(attrs, g, [x.detach()], expected, {}, None, [True])[0][0]
+    assert torch.equal(got, back) and torch.equal(got[:, channels], g)
+
+
+def test_the_unit_is_read_and_walks_as_autograd(unit):
+    network, problem = unit
+    assert [layer.op for layer in network.layers] == ["conv2d", "relu", "channel_slice", "channel_slice", "conv2d",
+                                                      "relu", "conv2d", "concat", "channel_shuffle", "conv2d"]
+    assert network.layers[8].attrs == {"groups": 3}
+    walked, autograd = forward_backward(problem, "float64"), autograd_forward_backward(problem, "float64")
+    for name, expected in autograd.grads.items():
+        assert np.abs(walked.grads[name] - expected).max() <= 1e-12 * np.abs(expected).max(), name
+
+
+def test_float32_is_within_the_bound_and_an_inverted_shuffle_is_not(unit):
+    network, problem = unit
+    trace = reference(problem)
+    assert judge(autograd_forward_backward(problem, "float32"), trace).verdict == "roundoff"
+    inverted = OtherAttributes(OPS["channel_shuffle"], {"groups": 4})  # 12 channels: 3 groups of 4, inverted
+    assert judge(forward_backward(problem, "float32", rules={8: inverted}), trace).verdict == "defect"
+    wrong_piece = BackwardReplaced(OPS["channel_slice"], lambda op, attrs, g, xs, *rest: (
+        [torch.cat([g, torch.zeros_like(g)], dim=1)], {}))  # the second half's gradient placed in the first
+    assert judge(forward_backward(problem, "float32", rules={3: wrong_piece}),
+                 trace).verdict == "defect"
+
+
+def test_the_ops_name_their_slips():
+    slips = [slip.text for slip in OPS["channel_shuffle"].port_slips({"groups": 3}, (12, 4, 4))]
+    assert len(slips) == 3 and "inverse" in slips[1]
+    assert OPS["channel_shuffle"].port_slips({"groups": 2}, (4, 4, 4))[1:] == []  # 2 groups of 2: its own inverse
+    assert "channels 0:3" in OPS["channel_slice"].port_slips(OPS["channel_slice"].normalise({"chunk": [1, 2]}),
+                                                             (6, 4, 4))[0].text
+
+
+def test_nn_channel_shuffle_and_functional_read_as_the_op():
+    network = from_module(nn.Sequential(nn.Conv2d(1, 4, 3), nn.ChannelShuffle(2)))
+    assert (network.layers[1].op, network.layers[1].attrs) == ("channel_shuffle", {"groups": 2})
+
+
+class HeightRead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+
+    def forward(self, x):
+        x = self.conv(x)
+        n, c, h, w = x.shape
+        return x.reshape(n, c, h // 2, 2 * w)
+
+
+class OtherView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+
+    def forward(self, x):
+        x = self.conv(x)
+        b, c, h, w = x.size()
+        return x.view(b, 2, c // 2, h, w).sum(2)
+
+
+@pytest.mark.parametrize("module, words", [
+    (HeightRead(), "derived from the image's height fixes the input size"),
+    (OtherView(), "a 5-D view is read only as a channel shuffle")])
+def test_other_size_reads_are_refused_in_one_line(module, words):
+    with pytest.raises(ModelSpecError, match=words) as caught:
+        from_module(module)
+    assert "\n" not in str(caught.value)
+
+
+class Pooled(nn.Module):
+    """torchvision's ShuffleNetV2 with its final `x.mean([2, 3])` as a global average pool."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        m = self.model
+        x = m.conv5(m.stage4(m.stage3(m.stage2(m.maxpool(m.conv1(x))))))
+        return m.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+@pytest.mark.parametrize("size", [62, 126])  # sizes its strides divide (62 → 31 → 16 → 8 → 4 → 2; 64 needs floor pools)
+def test_torchvisions_shufflenet_walks_as_its_own_autograd(size):
+    models = pytest.importorskip("torchvision.models", reason="torchvision installs with make setup")
+    torch.manual_seed(0)
+    module = Pooled(models.shufflenet_v2_x0_5(num_classes=10)).train()
+    network = from_module(module, input_channels=3, loss="cross_entropy")
+    assert sum(layer.op == "channel_shuffle" for layer in network.layers) == 16
+    problem = make_problem(size, 2, 0, network=network)
+    walked = forward_backward(problem, "float64")
+    module = module.double()
+    module.load_state_dict({k: torch.from_numpy(v).double() for k, v in problem.params.items()}, strict=False)
+    loss = LOSSES["cross_entropy"].torch_loss(module(torch.from_numpy(problem.input).double()),
+                                              torch.from_numpy(problem.target))
+    loss.backward()
+    assert abs(walked.loss - loss.item()) <= 1e-12 * abs(loss.item())
+    largest = max(float(p.grad.abs().max()) for p in module.parameters())
+    for name, parameter in module.named_parameters():
+        expected = parameter.grad.numpy()
+        if np.abs(expected).max() <= 1e-12 * largest:  # a bias before a training batch norm: zero, but for rounding
+            assert np.abs(walked.grads[name]).max() <= 1e-12 * largest, name
+            continue
+        assert np.abs(walked.grads[name] - expected).max() <= 1e-10 * np.abs(expected).max(), name
