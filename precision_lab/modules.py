@@ -160,7 +160,7 @@ def _traced_layers(module: nn.Module) -> list[dict]:
                                  f"of supported ops are supported")
         if _reads_size(node, sizes):
             continue
-        read = _reads_channels(node, sizes, moves)
+        read = _reads_channels(node, sizes, moves, lambda source: _channel_count(source, layers, by_node, network_input))
         if read is _ABSORBED:
             continue
         if _reads_first_of_pair(node, by_node, previous):
@@ -308,7 +308,7 @@ def _reads_size(node, sizes: dict) -> bool:
     elif any(_is_node(a) and a.name in sizes for a in args):
         if node.op == "call_function" and getattr(node.target, "__module__", None) in ("_operator", "operator"):
             if any(_is_node(a) and sizes.get(a.name) is BATCH_SIZE for a in args):
-                raise ModelSpecError(f"{node.name}: {getattr(node.target, '__name__', node.target)} of the batch "
+                raise ModelSpecError(f"{node.name}: {getattr(node.target, '__name__', node.target)} of a tensor's "
                                      f"size: arithmetic on the batch size merges it with another axis, and the lab's "
                                      f"batch axis stays first and unchanged; write per-sample sizes as numbers")
             sizes[node.name] = _size_arithmetic(node, sizes)
@@ -328,11 +328,12 @@ def _reads_size(node, sizes: dict) -> bool:
 _ABSORBED = object()
 
 
-def _reads_channels(node, sizes: dict, moves: dict):
+def _reads_channels(node, sizes: dict, moves: dict, channel_count):
     """A traced node that reads per-sample sizes or moves channels: ShuffleNet's channel shuffle, `view(b, g, c // g,
     h, w)` → `transpose(1, 2)` (→ `contiguous()`) → `view(b, -1, h, w)`, read as F.channel_shuffle's layer; a piece
-    `[i]` of `x.chunk(2, dim=1)` (an op with `pieces`). Returns (layer, inputs), _ABSORBED, or None (not such a node);
-    any other layer reading a per-sample size is refused in one line (the spec's sizes are numbers, its H, W free)."""
+    `[i]` of `x.chunk(2, dim=1)` (an op with `pieces`). Returns (layer, inputs), _ABSORBED, or None (not such a node).
+    A channel count another call reads (`x.view(b, c, -1)`, `c // g`) becomes its number (`channel_count(tensor)`);
+    one derived from the height or width is refused in one line (the spec's sizes are numbers, its H, W free)."""
     import operator
 
     args = _with_batch_size(node.args, sizes)
@@ -380,6 +381,12 @@ def _reads_channels(node, sizes: dict, moves: dict):
             moves[node.name] = ("view", first, sizes_given[1])
             return _ABSORBED
     read = [v for v in _flat(list(args) + list(kwargs.values())) if isinstance(v, _Size)]
+    if read and all(v.axis == 1 for v in read):  # channel counts: the spec's numbers, whatever the image size
+        for used in _flat(list(node.args) + list(node.kwargs.values())):
+            if _is_node(used) and isinstance(sizes.get(used.name), _Size):
+                size = sizes[used.name]
+                sizes[used.name] = channel_count(size.source) // size.divisor
+        return None
     if read:
         label = method or node.target
         fixing = next((v for v in read if max(v.dims) >= 2), None)
@@ -391,6 +398,22 @@ def _reads_channels(node, sizes: dict, moves: dict):
                                  f"write the size as -1 or read the image with size-free ops")
         raise ModelSpecError(f"{node.name}: {label} reads {read[0]!r}; write the per-sample size as a number")
     return None
+
+
+def _channel_count(source: str, layers: list, by_node: dict, network_input: str) -> int:
+    """The channels of traced tensor `source`: the input's (the first convolution's `in`), or the spec's own shape of
+    the layer computing it, from the layers read so far."""
+    first = next((layer for layer in layers if OPS[layer["op"]].parametrised), None)
+    if first is None or "kernel" not in OPS[first["op"]].keys:
+        raise ModelSpecError(f"{source}: its channel count is read before a convolution says the input's; write it "
+                             f"as a number")
+    if source == network_input:
+        return first["in"]
+    import copy
+
+    upto = next(i for i, layer in enumerate(layers) if layer is by_node[source])
+    network = parse_spec({"input_channels": first["in"], "layers": copy.deepcopy(layers[:upto + 1])}, source)
+    return network._symbolic_shapes()[len(network.layers) - 1][0]
 
 
 def _flat(values):

@@ -1,6 +1,8 @@
 """Channel moves: ShuffleNet's channel shuffle and `x.chunk(2, dim=1)` are read from PyTorch, walked as autograd in
 float64, bounded as exact copies, and their slips caught; sizes other than the batch's are read where they are a
 shuffle's, and refused in one line where they would fix the image size."""
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -154,16 +156,22 @@ class Pooled(nn.Module):
         return m.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-@pytest.mark.parametrize("size", [62, 126])  # sizes its strides divide (62 → 31 → 16 → 8 → 4 → 2; 64 needs floor pools)
-def test_torchvisions_shufflenet_walks_as_its_own_autograd(size):
+@pytest.fixture(scope="module")
+def shufflenet():
     models = pytest.importorskip("torchvision.models", reason="torchvision installs with make setup")
     torch.manual_seed(0)
     module = Pooled(models.shufflenet_v2_x0_5(num_classes=10)).train()
-    network = from_module(module, input_channels=3, loss="cross_entropy")
+    return module, from_module(module, input_channels=3, loss="cross_entropy")
+
+
+@pytest.mark.parametrize("size", [62, 94])  # sizes its strides divide (62 → 31 → 16 → 8 → 4 → 2; 64 needs floor pools)
+def test_torchvisions_shufflenet_walks_as_its_own_autograd(shufflenet, size):
+    module, network = shufflenet
     assert sum(layer.op == "channel_shuffle" for layer in network.layers) == 16
+    assert sum(layer.op == "channel_slice" for layer in network.layers) == 26  # two pieces of each stride-1 unit
     problem = make_problem(size, 2, 0, network=network)
     walked = forward_backward(problem, "float64")
-    module = module.double()
+    module = copy.deepcopy(module).double()
     module.load_state_dict({k: torch.from_numpy(v).double() for k, v in problem.params.items()}, strict=False)
     loss = LOSSES["cross_entropy"].torch_loss(module(torch.from_numpy(problem.input).double()),
                                               torch.from_numpy(problem.target))
@@ -176,3 +184,27 @@ def test_torchvisions_shufflenet_walks_as_its_own_autograd(size):
             assert np.abs(walked.grads[name]).max() <= 1e-12 * largest, name
             continue
         assert np.abs(walked.grads[name] - expected).max() <= 1e-10 * np.abs(expected).max(), name
+
+
+class ChannelRead(nn.Module):
+    """Reads its channel count for a reshape (`x.view(b, c // 2, -1)`): a number of the spec, any image size."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(1, 4, 3, padding=1), nn.Linear(2, 3)
+
+    def forward(self, x):
+        x = self.conv(x)
+        b, c, h, w = x.shape
+        return self.fc(x.view(b, c // 2, -1).mean(dim=2))
+
+
+def test_a_read_channel_count_becomes_the_specs_number():
+    torch.manual_seed(0)
+    network = from_module(ChannelRead())
+    assert network.layers[1].attrs["shape"] == [2, -1]
+    for size in (6, 8):
+        problem = make_problem(size, 2, 0, network=network)
+        walked, autograd = forward_backward(problem, "float64"), autograd_forward_backward(problem, "float64")
+        for name, expected in autograd.grads.items():
+            assert np.abs(walked.grads[name] - expected).max() <= 1e-12 * np.abs(expected).max(), name
