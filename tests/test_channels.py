@@ -87,16 +87,18 @@ def test_the_unit_is_read_and_walks_as_autograd(unit):
         assert np.abs(walked.grads[name] - expected).max() <= 1e-12 * np.abs(expected).max(), name
 
 
-def test_float32_is_within_the_bound_and_an_inverted_shuffle_is_not(unit):
+def test_float32_is_within_the_bound_and_an_inverted_shuffle_is_named(unit):
     network, problem = unit
     trace = reference(problem)
     assert judge(autograd_forward_backward(problem, "float32"), trace).verdict == "roundoff"
-    inverted = OtherAttributes(OPS["channel_shuffle"], {"groups": 4})  # 12 channels: 3 groups of 4, inverted
-    assert judge(forward_backward(problem, "float32", rules={8: inverted}), trace).verdict == "defect"
+    inverted = OtherAttributes(OPS["channel_shuffle"], {"groups": 4})  # 12 channels: 3 groups of 4 read as 4 of 3
+    judgement = judge(forward_backward(problem, "float32", rules={8: inverted}), trace)
+    assert judgement.verdict == "defect" and "layer 9 (channel_shuffle) shuffles the other way" in judgement.cause
     wrong_piece = BackwardReplaced(OPS["channel_slice"], lambda op, attrs, g, xs, *rest: (
         [torch.cat([g, torch.zeros_like(g)], dim=1)], {}))  # the second half's gradient placed in the first
-    assert judge(forward_backward(problem, "float32", rules={3: wrong_piece}),
-                 trace).verdict == "defect"
+    judgement = judge(forward_backward(problem, "float32", rules={3: wrong_piece}), trace)
+    assert judgement.verdict == "defect" and "layer 4 (channel_slice) backward places the gradient in channels 0:6" \
+        in judgement.cause
 
 
 def test_the_ops_name_their_slips():
