@@ -316,6 +316,9 @@ def _reads_size(node, sizes: dict) -> bool:
         return False
     else:
         return False
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise ModelSpecError(f"{node.name}: reads the sizes {dim!r} of {source}; read one size at a time (x.shape[1]) "
+                             f"or write per-sample sizes as numbers")
     if dim == 0:
         sizes[node.name] = BATCH_SIZE
     else:
@@ -395,7 +398,8 @@ def _reads_channels(node, sizes: dict, moves: dict, channel_count):
             raise ModelSpecError(f"{node.name}: {label} reads {fixing!r}: a number derived from the image's "
                                  f"{' and '.join(_IMAGE_AXES.get(d, f'dim {d}') for d in spatial)} "
                                  f"fixes the input size the network takes, and a spec takes any height and width; "
-                                 f"write the size as -1 or read the image with size-free ops")
+                                 + ("write that size as -1" if call in _VIEWS else "remove the size check, or build "
+                                    "the network from ops that take any size"))
         raise ModelSpecError(f"{node.name}: {label} reads {read[0]!r}; write the per-sample size as a number")
     return None
 

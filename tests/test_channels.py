@@ -136,9 +136,33 @@ class OtherView(nn.Module):
         return x.view(b, 2, c // 2, h, w).sum(2)
 
 
+class SizeCheck(nn.Module):
+    """torchvision's ViT checks its input size before reading patches."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 4, stride=4)
+
+    def forward(self, x):
+        n, c, h, w = x.shape
+        torch._assert(h == 224, "Wrong image height!")
+        return self.conv(x)
+
+
+class SkipSize(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+
+    def forward(self, x):
+        return F.interpolate(self.conv(x), size=x.shape[2:])
+
+
 @pytest.mark.parametrize("module, words", [
-    (HeightRead(), "derived from the image's height fixes the input size"),
-    (OtherView(), "a 5-D view is read only as a channel shuffle")])
+    (HeightRead(), r"derived from the image's height fixes the input size .* write that size as -1"),
+    (SizeCheck(), r"_assert reads x.size\(2\) \(the height\) == 224: .* remove the size check"),
+    (OtherView(), "a 5-D view is read only as a channel shuffle"),
+    (SkipSize(), r"reads the sizes slice\(2, None, None\) of x; read one size at a time")])
 def test_other_size_reads_are_refused_in_one_line(module, words):
     with pytest.raises(ModelSpecError, match=words) as caught:
         from_module(module)
