@@ -205,8 +205,7 @@ def _node_layer(node, submodules, sizes: dict) -> tuple[dict, list]:
     target = node.target
     refused = None
     for op in OPS.values():
-        if any(target == call if isinstance(call, str) else target is call for call in op.torch_calls) and (
-                isinstance(target, str) == (node.op == "call_method")):
+        if _reads_call(op, target, node.op):
             try:
                 return {"op": op.name, **op.from_torch_call(target, args, kwargs)}, \
                     op.call_inputs(tensors, args)
@@ -373,7 +372,7 @@ def _reads_channels(node, sizes: dict, moves: dict, channel_count):
     if node.op in ("call_method", "call_function") and first is not None:
         op = _op_reading(node.target, node.op)
         if op is not None and op.pieces:
-            moves[node.name] = ("pieces", op, node.target, node.args, kwargs)
+            moves[node.name] = ("pieces", op, node.target, args, kwargs)
             return _ABSORBED
     if call in _VIEWS and first is not None:
         sizes_given = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
@@ -417,7 +416,11 @@ def _channel_count(source: str, layers: list, by_node: dict, network_input: str)
 
     upto = next(i for i, layer in enumerate(layers) if layer is by_node[source])
     network = parse_spec({"input_channels": first["in"], "layers": copy.deepcopy(layers[:upto + 1])}, source)
-    return network._symbolic_shapes()[len(network.layers) - 1][0]
+    count = network._symbolic_shapes()[len(network.layers) - 1][0]
+    if count is None:  # tokens of an image: their count follows the height and width
+        raise ModelSpecError(f"{source}: its size 1 follows the image's height and width, and a spec takes any; "
+                             f"write that size as -1")
+    return count
 
 
 def _flat(values):
@@ -445,10 +448,12 @@ def _merges_groups(call, args, kwargs, source: str) -> bool:
     return False
 
 
+def _reads_call(op, target, kind: str) -> bool:
+    """Whether `op` reads a traced call of `target` (a function, or a tensor method's name where `kind` is call_method)."""
+    return any(target == call if isinstance(call, str) else target is call for call in op.torch_calls) and (
+        isinstance(target, str) == (kind == "call_method"))
+
+
 def _op_reading(target, kind: str = "call_function"):
-    """The registered op whose torch_calls hold a traced call's target (None if none)."""
-    for op in OPS.values():
-        if any(target == call if isinstance(call, str) else target is call for call in op.torch_calls) and (
-                isinstance(target, str) == (kind == "call_method")):
-            return op
-    return None
+    """The first registered op whose torch_calls hold a traced call's target (None if none)."""
+    return next((op for op in OPS.values() if _reads_call(op, target, kind)), None)

@@ -234,3 +234,20 @@ def test_a_read_channel_count_becomes_the_specs_number():
         walked, autograd = forward_backward(problem, "float64"), autograd_forward_backward(problem, "float64")
         for name, expected in autograd.grads.items():
             assert np.abs(walked.grads[name] - expected).max() <= 1e-12 * np.abs(expected).max(), name
+
+
+class TokenCount(nn.Module):
+    """Reads the token count (H·W of an image) where a channel count would be read."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 2, stride=2)
+
+    def forward(self, x):
+        t = self.conv(x).flatten(2).transpose(1, 2)
+        return t.reshape(t.shape[0], t.shape[1], 2, 2)
+
+
+def test_a_token_count_is_not_read_as_a_channel_count():
+    with pytest.raises(ModelSpecError, match=r"its size 1 follows the image's height and width.*write that size as -1"):
+        from_module(TokenCount())
