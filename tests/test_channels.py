@@ -251,3 +251,33 @@ class TokenCount(nn.Module):
 def test_a_token_count_is_not_read_as_a_channel_count():
     with pytest.raises(ModelSpecError, match=r"its size 1 follows the image's height and width.*write that size as -1"):
         from_module(TokenCount())
+
+
+class Shuffled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(1, 12, 3, padding=1), nn.Conv2d(12, 2, 3, padding=1)
+
+    def forward(self, x):
+        return self.b(shuffle(self.a(x), 3))
+
+
+def test_pytorchs_onnx_export_of_the_shuffle_reads_as_the_op(tmp_path):
+    pytest.importorskip("onnx", reason="onnx installs with make setup")
+    import warnings
+
+    from precision_lab.model import load_onnx
+    from precision_lab.modules import SpecModule
+
+    torch.manual_seed(0)
+    module, path = Shuffled().double(), tmp_path / "shuffled.onnx"
+    with warnings.catch_warnings():  # the TorchScript exporter's deprecation notice
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(module.float(), torch.randn(2, 1, 8, 8), path, dynamo=False, opset_version=17)
+    network = load_onnx(path)
+    assert [(layer.op, layer.attrs) for layer in network.layers][1] == ("channel_shuffle", {"groups": 3})
+    lab = SpecModule(network, dtype=torch.float64)
+    lab.load_state_dict({k: v.double() for k, v in module.state_dict().items()})
+    x = torch.randn(2, 1, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.allclose(lab(x), module.double()(x), rtol=1e-12, atol=0)

@@ -7,10 +7,12 @@ stays at its place in the grid, so the radius of the errors is unchanged.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from . import BackwardReplaced, Field, GradField, Op, OpSpecError, OtherAttributes, PortSlip, positive_int, register
+from .onnx_reading import OnnxRead, OpenSize, attr, require, reshape_target
 from .routing import _text
 
 
@@ -61,9 +63,36 @@ class ChannelShuffle(ChannelMove):
     torch_modules = (torch.nn.ChannelShuffle,)
     torch_calls = (F.channel_shuffle,)
 
+    onnx_ops = ("Reshape",)
+
     def check(self, attrs):
         attrs["groups"] = positive_int(attrs["groups"], "groups")
         return attrs
+
+    def from_onnx_node(self, node, graph):
+        """PyTorch's export of the idiom: Reshape to (N, g, C/g, H, W), Transpose perm [0, 2, 1, 3, 4], Reshape to
+        (N, C, H, W); None for any other Reshape (reshape's and flatten's)."""
+        x = graph.data_inputs(node)
+        if len(x) != 1 or len(graph.shape(x[0])) != 3:
+            return None
+        split = reshape_target(node, graph)
+        swap = graph.only_reader(node.outputs[0])
+        if len(split) != 5 or swap is None or swap.op_type != "Transpose" or list(attr(swap, "perm", [])) != [0, 2, 1, 3, 4]:
+            return None
+        merge = graph.only_reader(swap.outputs[0])
+        c, h, w = graph.shape(x[0])
+        groups = split[1]
+        require(merge is not None and merge.op_type == "Reshape",
+                "a Reshape to 5-D and a Transpose of its groups not reshaped back to an image")
+        merged = graph.constant(merge.inputs[1])  # the 5-D tensor has no per-sample shape yet: its target as given
+        merged = [] if merged is None else [int(t) for t in np.asarray(merged).reshape(-1)]
+        require(isinstance(groups, int) and groups > 0 and c % groups == 0 and split[2] in (c // groups, -1)
+                and len(merged) == 4 and merged[1] in (c, -1)
+                and all(_same_side(t, side, x[0], axis) for t, side, axis in ((split[3], h, 1), (split[4], w, 2),
+                                                                               (merged[2], h, 1), (merged[3], w, 2))),
+                f"Reshape to {split} and back to {merged or 'a computed shape'} of a ({c}, {h}, {w}) image: not a "
+                f"channel shuffle of a fixed image size (export with a fixed image size)")
+        return OnnxRead({"groups": groups}, x, merge.outputs[0], absorbed=[swap, merge])
 
     def from_torch_module(self, module):
         return {"groups": module.groups}
@@ -109,6 +138,11 @@ class ChannelShuffle(ChannelMove):
                       PortSlip("routing", "backward shuffles the gradient again instead of back",
                                lambda: BackwardReplaced(self, _shuffled_again))]
         return slips
+
+
+def _same_side(size, side, tensor: str, axis: int) -> bool:
+    """Whether a Reshape's size keeps an image's height or width: the graph's number, or a copy of the open size."""
+    return size == side if side is not None else size == OpenSize(tensor, axis)
 
 
 def _shuffled_again(op, attrs, g, xs, y, params, kernels, need):
