@@ -12,7 +12,7 @@ from torch import nn
 from precision_lab.compute import autograd_forward_backward, forward_backward
 from precision_lab.model import ModelSpecError
 from precision_lab.modules import from_module
-from precision_lab.ops import LOSSES, OPS, BackwardReplaced, OtherAttributes
+from precision_lab.ops import LOSSES, OPS, BackwardReplaced, Field, GradField, OtherAttributes
 from precision_lab.problem import make_problem
 from precision_lab.reference import reference
 from precision_lab.verdict import judge
@@ -75,6 +75,23 @@ def test_a_channel_piece_is_torchs_and_its_gradient_lands_in_it(call, attrs, cha
     back, = torch.autograd.grad(expected, x, g)
     got = rule.backward(attrs, g, [x.detach()], expected, {}, None, [True])[0][0]
     assert torch.equal(got, back) and torch.equal(got[:, channels], g)
+
+
+@pytest.mark.parametrize("op, attrs", [("channel_shuffle", {"groups": 3}), ("channel_slice", {"chunk": [1, 2]})])
+def test_a_channel_moves_bound_is_its_inputs_moved_with_the_values(op, attrs):
+    rule, x = OPS[op], torch.randn(2, 12, 3, 3, dtype=torch.float64)
+    attrs = rule.normalise(attrs)
+    error = torch.zeros_like(x)
+    error[1, 7, 2, 0] = 1.0  # one element's bound (in both ops' output): it must follow that element, nowhere else
+    y = rule.forward(attrs, [x], {}, None)
+    out = rule.forward_error(attrs, [Field(x, error, 1, 2, coupled=True)], y, {}, None)
+    assert torch.equal(out.error, rule.forward(attrs, [error], {}, None)) and out.error.sum() == 1
+    assert (out.radius, out.flips, out.coupled) == (1, 2, True)  # pixels stay in place; no rounding of its own
+    g = torch.randn_like(y)
+    grad_error = torch.rand_like(y)
+    back, = rule.backward_error(attrs, g, GradField(grad_error, None, 1), [Field(x, None)], out, {}, None, [True])[0]
+    assert torch.equal(back.error, rule.backward(attrs, grad_error, [x], y, {}, None, [True])[0][0])
+    assert back.error.sum() == pytest.approx(float(grad_error.sum()), rel=1e-15) and back.radius == 1
 
 
 def test_the_unit_is_read_and_walks_as_autograd(unit):
@@ -190,7 +207,7 @@ def shufflenet():
     return module, from_module(module, input_channels=3, loss="cross_entropy")
 
 
-@pytest.mark.parametrize("size", [62, 94])  # sizes its strides divide (62 → 31 → 16 → 8 → 4 → 2; 64 needs floor pools)
+@pytest.mark.parametrize("size", [62, (62, 94)])  # sizes its strides divide (62 → 31 → 16 → 8 → 4 → 2; 64 needs floor pools)
 def test_torchvisions_shufflenet_walks_as_its_own_autograd(shufflenet, size):
     module, network = shufflenet
     assert sum(layer.op == "channel_shuffle" for layer in network.layers) == 16
