@@ -126,9 +126,20 @@ def test_the_ops_name_their_slips():
                                                              (6, 4, 4))[0].text
 
 
+class Functional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 6, 3)
+
+    def forward(self, x):
+        return F.channel_shuffle(self.conv(x), 3)
+
+
 def test_nn_channel_shuffle_and_functional_read_as_the_op():
     network = from_module(nn.Sequential(nn.Conv2d(1, 4, 3), nn.ChannelShuffle(2)))
     assert (network.layers[1].op, network.layers[1].attrs) == ("channel_shuffle", {"groups": 2})
+    network = from_module(Functional())
+    assert (network.layers[1].op, network.layers[1].attrs) == ("channel_shuffle", {"groups": 3})
 
 
 class HeightRead(nn.Module):
