@@ -240,6 +240,8 @@ def _with_batch_size(args, sizes: dict):
         return {key: _with_batch_size(value, sizes) for key, value in args.items()}
     if isinstance(args, (tuple, list)):
         return type(args)(_with_batch_size(a, sizes) for a in args)
+    if isinstance(args, slice):  # x[:, :c // 2]: a slice's ends may be read sizes
+        return slice(*(_with_batch_size(end, sizes) for end in (args.start, args.stop, args.step)))
     return sizes[args.name] if _is_node(args) and args.name in sizes else args
 
 
@@ -371,7 +373,7 @@ def _reads_channels(node, sizes: dict, moves: dict, channel_count):
                              f"use nn.ChannelShuffle or write it so")
     if node.op in ("call_method", "call_function") and first is not None:
         op = _op_reading(node.target, node.op)
-        if op is not None and op.pieces:
+        if op is not None and _is_call(node.target, node.op, op.pieces):
             moves[node.name] = ("pieces", op, node.target, args, kwargs)
             return _ABSORBED
     if call in _VIEWS and first is not None:
@@ -427,6 +429,8 @@ def _flat(values):
     for value in values:
         if isinstance(value, (list, tuple)):
             yield from _flat(value)
+        elif isinstance(value, slice):
+            yield from (value.start, value.stop, value.step)
         else:
             yield value
 
@@ -448,10 +452,16 @@ def _merges_groups(call, args, kwargs, source: str) -> bool:
     return False
 
 
-def _reads_call(op, target, kind: str) -> bool:
-    """Whether `op` reads a traced call of `target` (a function, or a tensor method's name where `kind` is call_method)."""
-    return any(target == call if isinstance(call, str) else target is call for call in op.torch_calls) and (
+def _is_call(target, kind: str, calls: tuple) -> bool:
+    """Whether a traced call of `target` is one of `calls` (functions, or tensor methods' names where `kind` is
+    call_method)."""
+    return any(target == call if isinstance(call, str) else target is call for call in calls) and (
         isinstance(target, str) == (kind == "call_method"))
+
+
+def _reads_call(op, target, kind: str) -> bool:
+    """Whether `op` reads a traced call of `target`."""
+    return _is_call(target, kind, op.torch_calls)
 
 
 def _op_reading(target, kind: str = "call_function"):

@@ -253,6 +253,29 @@ class ChannelRead(nn.Module):
         return self.fc(x.view(b, c // 2, -1).mean(dim=2))
 
 
+class Halves(nn.Module):
+    """A hand-written split of the channels by indexing (`x[:, :c // 2]`, `x[:, c // 2:]`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.branch = nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        x = self.conv(x)
+        c = x.shape[1]
+        return torch.cat((x[:, :c // 2], self.branch(x[:, c // 2:])), dim=1)
+
+
+def test_a_channel_slice_by_indexing_reads_and_walks_as_autograd():
+    torch.manual_seed(0)
+    network = from_module(Halves())
+    assert [layer.attrs["channels"] for layer in network.layers if layer.op == "channel_slice"] == [[0, 4], [4, None]]
+    problem = make_problem(8, 2, 0, network=network)
+    walked, autograd = forward_backward(problem, "float64"), autograd_forward_backward(problem, "float64")
+    for name, expected in autograd.grads.items():
+        assert np.abs(walked.grads[name] - expected).max() <= 1e-12 * np.abs(expected).max(), name
+
+
 def test_a_read_channel_count_becomes_the_specs_number():
     torch.manual_seed(0)
     network = from_module(ChannelRead())

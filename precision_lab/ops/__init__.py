@@ -208,7 +208,7 @@ class Op:
     flattens = False  # turns an image into features: the image size is then fixed by the reader's fan-in
     reads_error_backward = False  # backward_error reads its input's forward error (parametrised and smooth ops)
     returns_pair = False  # its PyTorch module returns (output, extra), read as module(x)[0] (nn.MultiheadAttention)
-    pieces = False  # its traced call returns several tensors (x.chunk(2, dim=1)), each a layer read through [i]
+    pieces: tuple = ()  # those of its torch_calls that return several tensors (x.chunk), each a layer read by [i]
     weight_letters = None  # what O and I of a weight layout mean for its weight, where not a convolution's out and in
     # a reduced format's rounded operands (ctx.rounding_term): its float inputs and these parameters, which the sampled
     # runs perturb by their rounding (precision_lab.sampled); None: its products read no rounded operand
@@ -311,7 +311,7 @@ class Op:
         return {}
 
     def from_torch_piece(self, target, args: tuple, kwargs: dict, index: int) -> dict:
-        """For an op with `pieces`: the spec attributes of piece `index` of a traced call of one of torch_calls."""
+        """The spec attributes of piece `index` of a traced call of one of `pieces`."""
         raise NotImplementedError(f"op {self.name} returns one tensor")
 
     def call_inputs(self, tensors: list, args: tuple) -> list:

@@ -7,6 +7,8 @@ stays at its place in the grid, so the radius of the errors is unchanged.
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -151,25 +153,27 @@ def _shuffled_again(op, attrs, g, xs, y, params, kernels, need):
 
 
 class ChannelSlice(ChannelMove):
-    """Some of an image's channels, `channels` [start, stop) (`torch.split`'s pieces; a stop past the channels stops
-    at them, as a Python slice), or piece `chunk` [index, count] of torch.chunk (pieces of ⌈C/count⌉ channels). Read
+    """Some of an image's channels, `channels` [start, stop) (`torch.split`'s pieces, `x[:, a:b]`; a stop past the
+    channels, or null, stops at them, as a Python slice), or piece `chunk` [index, count] of torch.chunk (pieces of ⌈C/count⌉ channels). Read
     from `x.chunk(2, dim=1)` and `torch.split(x, sizes, dim=1)`, each piece through `[i]` (ShuffleNet's `x1, x2`)."""
 
     name = "channel_slice"
     keys = {"channels": None, "chunk": None}
-    torch_calls = (torch.chunk, "chunk", torch.split, "split")
-    pieces = True
+    pieces = (torch.chunk, "chunk", torch.split, "split")
+    torch_calls = (*pieces, operator.getitem)
 
     def check(self, attrs):
         given = [key for key in self.keys if attrs[key] is not None]
         if len(given) != 1:
             raise OpSpecError("channel_slice takes 'channels' ([start, stop]) or 'chunk' ([index, count]), one of them")
         pair = attrs[given[0]]
-        if not (isinstance(pair, (list, tuple)) and len(pair) == 2
-                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair)):
-            raise OpSpecError(f"'{given[0]}' is {pair!r}: expected two integers ≥ 0")
+        open_end = given[0] == "channels" and isinstance(pair, (list, tuple)) and len(pair) == 2 and pair[1] is None
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair[:1 if open_end else 2])):
+            raise OpSpecError(f"'{given[0]}' is {pair!r}: expected two integers ≥ 0"
+                              + (" (the stop may be null: to the last channel)" if given[0] == "channels" else ""))
         first, second = pair
-        if first >= second:
+        if not open_end and first >= second:
             raise OpSpecError(f"'{given[0]}' is {pair!r}: expected {'start < stop' if given[0] == 'channels' else 'index < count'}")
         attrs[given[0]] = [first, second]
         return attrs
@@ -188,13 +192,26 @@ class ChannelSlice(ChannelMove):
         sizes = list(size)
         return {"channels": [sum(sizes[:index]), sum(sizes[:index + 1])]}
 
+    def from_torch_call(self, target, args, kwargs):
+        """`x[:, a:b]`: channels a … b − 1 of an image (every other index refused)."""
+        index = args[1] if len(args) > 1 else None
+        whole, channels = (index + (slice(None),) * 2)[:2] if isinstance(index, tuple) and len(index) <= 4 else (None, None)
+        rest = index[2:] if isinstance(index, tuple) else ()
+        if (whole != slice(None) or not isinstance(channels, slice) or channels.step not in (None, 1)
+                or any(r not in (slice(None), Ellipsis) for r in rest)):
+            raise OpSpecError(f"indexing by {index!r}: only x[:, a:b] (some of an image's channels) is read")
+        start, stop = channels.start or 0, channels.stop
+        if not all(isinstance(v, int) and v >= 0 for v in (start, stop if stop is not None else 0)):
+            raise OpSpecError(f"x[:, {start}:{stop}]: channel ends must be numbers ≥ 0 (negative ends count from the end)")
+        return {"channels": [start, stop]}
+
     def _range(self, attrs, c: int) -> tuple[int, int]:
         if attrs["chunk"] is not None:
             index, count = attrs["chunk"]
             size = -(-c // count)
             start, stop = index * size, min(c, (index + 1) * size)
         else:
-            start, stop = attrs["channels"][0], min(c, attrs["channels"][1])
+            start, stop = attrs["channels"][0], min(c, attrs["channels"][1] or c)
         if start >= stop:
             raise OpSpecError(f"channel_slice {self.describe(attrs)} of {c} channels: the piece is empty")
         return start, stop
@@ -207,7 +224,7 @@ class ChannelSlice(ChannelMove):
     def describe(self, attrs):
         if attrs["chunk"] is not None:
             return f"channel chunk {attrs['chunk'][0]} of {attrs['chunk'][1]}"
-        return f"channels {attrs['channels'][0]}:{attrs['channels'][1]}"
+        return f"channels {attrs['channels'][0]}:{'' if attrs['channels'][1] is None else attrs['channels'][1]}"
 
     def torch_forward(self, attrs, xs, module):
         start, stop = self._range(attrs, xs[0].shape[1])
