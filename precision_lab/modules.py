@@ -277,6 +277,9 @@ def _size_arithmetic(node, sizes: dict) -> _Size:
     """`c // groups`, `h // p`, `h == 224` on per-sample sizes: a _Size naming what it derives from."""
     operands = [sizes[a.name] if _is_node(a) else a for a in node.args]
     reads = [v for v in operands if isinstance(v, _Size)]
+    if not reads or any(isinstance(v, _ShapeOf) for v in operands):
+        raise ModelSpecError(f"{node.name}: {node.target.__name__} of a whole shape (x.shape, x.size()); read one size "
+                             f"at a time (x.shape[1])")
     symbol = {"floordiv": "//", "mul": "*", "add": "+", "sub": "-", "truediv": "/", "eq": "==", "ne": "!="}.get(
         node.target.__name__, node.target.__name__)
     text = f" {symbol} ".join(_size_text(v) for v in operands)
@@ -290,7 +293,7 @@ def _size_arithmetic(node, sizes: dict) -> _Size:
 def _reads_size(node, sizes: dict) -> bool:
     """Whether a traced node reads a tensor's size (`x.shape`, `x.size()`, `x.shape[1]`, `x.size(2)`) or computes
     from sizes (`c // groups`), recorded in `sizes`: the batch size is ops.BATCH_SIZE (a reshape's first size), any
-    other a _Size, read by _reads_channels (a channel shuffle) or refused where a layer would read it."""
+    other a _Size, which _reads_channels reads (a channel shuffle's, a channel count's number) or refuses."""
     import operator
 
     args = node.args
