@@ -41,6 +41,7 @@ AROUND = {
     "scale": [CONV, {"op": "scale", "factor": 0.5}],
     "reshape": [CONV, {"op": "reshape", "shape": [-1, 2]}],
     "permute": [CONV, {"op": "permute", "dims": [1, 2, 0]}],
+    "channel_slice": [CONV, {"op": "channel_slice", "chunk": [1, 2]}],
     "attention": [CONV, {"op": "flatten_pixels"}, {"op": "transpose"}, {"name": "a", "op": "attention", "dim": 2}],
     "dot_product_attention": [CONV, {"op": "flatten_pixels"}, {"name": "t", "op": "transpose"},
                               {"op": "dot_product_attention", "inputs": ["t", "t", "t"]}],

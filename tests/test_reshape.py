@@ -164,7 +164,7 @@ def _head_split(body):
      r"permute\(2, 0, 3, 1, 4\): moves the batch axis \(dim 0\) to position 1; the lab's batch axis stays first"),
     (lambda x, t: t.reshape(x.shape[0] * 2, -1, 12), r"mul of a tensor's size: arithmetic on the batch size"),
     (lambda x, t: t.reshape(2, -1, 24), r"reshape\(2, -1, 24\): the first size is not the batch's"),
-    (lambda x, t: t.reshape(x.shape[0], x.shape[1], 3, 8), r"reads the size of dim 1; only the batch size"),
+    (lambda x, t: t.reshape(x.shape[0], x.shape[2], 3, 8), r"reads x.size\(2\) \(the height\): a number derived"),
     (lambda x, t: t.transpose(0, 1), r"swaps the batch axis \(dim 0\) with another"),
     (lambda x, t: t.flatten(0, 1), r"flatten from dim 0 to 1")])
 def test_a_reshape_that_mixes_the_batch_axis_is_refused_naming_the_call(body, says):

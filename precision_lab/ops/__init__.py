@@ -208,6 +208,7 @@ class Op:
     flattens = False  # turns an image into features: the image size is then fixed by the reader's fan-in
     reads_error_backward = False  # backward_error reads its input's forward error (parametrised and smooth ops)
     returns_pair = False  # its PyTorch module returns (output, extra), read as module(x)[0] (nn.MultiheadAttention)
+    pieces: tuple = ()  # those of its torch_calls that return several tensors (x.chunk), each a layer read by [i]
     weight_letters = None  # what O and I of a weight layout mean for its weight, where not a convolution's out and in
     # a reduced format's rounded operands (ctx.rounding_term): its float inputs and these parameters, which the sampled
     # runs perturb by their rounding (precision_lab.sampled); None: its products read no rounded operand
@@ -308,6 +309,10 @@ class Op:
     def from_torch_call(self, target, args: tuple, kwargs: dict) -> dict:
         """The spec attributes of a traced call of one of torch_calls with these arguments (tensors among them)."""
         return {}
+
+    def from_torch_piece(self, target, args: tuple, kwargs: dict, index: int) -> dict:
+        """The spec attributes of piece `index` of a traced call of one of `pieces`."""
+        raise NotImplementedError(f"op {self.name} returns one tensor")
 
     def call_inputs(self, tensors: list, args: tuple) -> list:
         """The tensor arguments a traced call reads (a concat's are in a list)."""
@@ -631,6 +636,7 @@ from . import tokens  # noqa: E402,F401 - registered after routing: flatten(2) i
 from . import attention  # noqa: E402,F401 - after tokens: softmax and matmul act on tokens
 from . import multihead  # noqa: E402,F401 - after attention: its rules are linear's, matmul's and softmax's
 from . import clipped  # noqa: E402,F401 - after pointwise: its rules reuse the ReLU's mask and flip test
+from . import channels  # noqa: E402,F401 - after tokens: torch.split and x.chunk are read only as channel pieces
 
 __all__ = ["BATCH_SIZE", "BackwardReplaced", "BoundContext", "Field", "GradField", "Kernels", "LOSSES", "OPS", "Op", "OpSpecError",
            "OtherAttributes", "Parts", "PortSlip", "REQUIRED", "Rule", "SEED_CONV", "SPARSE_LIMIT", "SharedDraw", "has_values", "is_seed_conv", "register", "register_loss",
