@@ -209,6 +209,8 @@ class Concat(Op):
 
     def from_onnx_node(self, node, graph):
         data = graph.data_inputs(node)
+        if len(data) == len(node.inputs) == 1:  # a concat of one tensor (DenseNet's first layer): the tensor itself
+            return OnnxRead({}, data, node.outputs[0], alias=True)
         require(int(attr(node, "axis", 1)) in (1, -3), f"axis {attr(node, 'axis')}: only channels (axis 1) are joined")
         require(len(data) == len(node.inputs) == 2, f"{len(node.inputs)} inputs: the spec's concat joins two "
                 f"computed tensors")
