@@ -344,6 +344,19 @@ def test_convnext_converts_and_walks_as_the_module():
     assert_pytorch_float32_is_roundoff(problem)
 
 
+def test_efficientnet_in_evaluation_converts_and_walks_as_the_module():
+    pytest.importorskip("torchvision", reason="torchvision installs with make setup")
+    from torchvision.models.efficientnet import EfficientNet, MBConvConfig
+
+    torch.manual_seed(0)
+    # two stages of MBConv (squeeze-and-excitation gates, stochastic depth 0.2 on the residual): evaluation's identity
+    module = EfficientNet([MBConvConfig(1, 3, 1, 8, 8, 1), MBConvConfig(4, 3, 2, 8, 16, 2)], dropout=0.2,
+                          stochastic_depth_prob=0.2, num_classes=10).eval()
+    network = from_module(module, loss="cross_entropy")
+    assert [layer.op for layer in network.layers].count("stochastic_depth") == 2
+    assert_walks_as_the_module(module, make_problem(32, 2, 0, network=network))
+
+
 @pytest.mark.parametrize("family", ["efficientnet_b0", "mnasnet0_5", "densenet121", "convnext_tiny"])
 def test_a_torchvision_family_converts(family):
     torchvision = pytest.importorskip("torchvision", reason="torchvision installs with make setup")
