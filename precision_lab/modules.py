@@ -15,6 +15,7 @@ from .model import NETWORK_INPUT, ModelSpecError, Network, parse_spec
 from .ops import BATCH_SIZE, LOSSES, OPS, OpSpecError
 from .ops import arity as op_arity
 from .ops.losses import MSE
+from .ops.parameters import TensorAttribute
 
 
 class SpecModule(nn.Module):
@@ -46,6 +47,8 @@ class SpecModule(nn.Module):
             if not hasattr(parent, part):
                 parent.add_module(part, nn.Module())
             parent = getattr(parent, part)
+        for child_name, child in getattr(parent, leaf, nn.Module()).named_children():
+            module.add_module(child_name, child)  # a layer named by a module whose sublayers came first (layer scale)
         parent.add_module(leaf, module)
 
     def _module(self, name: str) -> nn.Module:
@@ -141,6 +144,8 @@ def _traced_layers(module: nn.Module) -> list[dict]:
     sizes: dict[str, object] = {}  # traced size queries: a shape (_ShapeOf), the batch size (BATCH_SIZE), a _Size
     moves: dict[str, tuple] = {}  # calls read with their readers: a shuffle's 5-D view, a chunk's pieces
     called = set()  # modules already read as a layer
+    attributes: dict[str, TensorAttribute] = {}  # parameters read as tensors (get_attr), passed to the op reading them
+    same: dict[str, str] = {}  # nodes that are another node's tensor itself (a concat of one tensor)
 
     def named(node_name: str) -> str:
         if node_name == network_input:
@@ -156,12 +161,16 @@ def _traced_layers(module: nn.Module) -> list[dict]:
             network_input = previous = node.name
             continue
         if node.op == "output":
-            if node.args[0].name != previous:
+            if same.get(node.args[0].name, node.args[0].name) != previous:
                 raise ModelSpecError(f"{type(module).__name__}: its output is {node.args[0].name}, not the last layer")
             break
         if node.op == "get_attr":
-            raise ModelSpecError(f"{node.name}: reads a tensor attribute directly ({node.target}); only layers "
-                                 f"of supported ops are supported")
+            attributes[node.name] = _tensor_attribute(module, node)
+            continue
+        source = _single_concat(node)
+        if source is not None:
+            same[node.name] = same.get(source, source)
+            continue
         if _reads_size(node, sizes):
             continue
         read = _reads_channels(node, sizes, moves, lambda source: _channel_count(source, layers, by_node, network_input))
@@ -171,7 +180,7 @@ def _traced_layers(module: nn.Module) -> list[dict]:
             by_node[node.name] = by_node[previous]  # module(x)[0] of a module returning (output, extra): its output
             previous = node.name
             continue
-        layer, inputs = read or _node_layer(node, submodules, sizes)
+        layer, inputs = read or _node_layer(node, submodules, sizes, attributes)
         op = OPS[layer["op"]]
         if "name" not in layer and op.request_masks(op.normalise({k: v for k, v in layer.items() if k != "op"})):
             layer["name"] = node.name  # a call reading a mask the request carries (F.dropout in training): '<node>.mask'
@@ -181,12 +190,14 @@ def _traced_layers(module: nn.Module) -> list[dict]:
                                      f"each layer its own parameters: use one module per call")
             layer["name"] = node.name  # a parameter-free module called twice (one max-pool per level): fx's own name
         called.add(node.target)
-        tensors = [a.name for a in inputs]
+        tensors = [same.get(a.name, a.name) for a in inputs]
         arity = op_arity(OPS[layer["op"]])
-        if len(tensors) != arity:
+        if len(tensors) != arity and not (OPS[layer["op"]].joins_many and len(tensors) > arity):
             raise ModelSpecError(f"{node.name}: {layer['op']} of {len(tensors)} tensors; the spec's {layer['op']} "
                                  f"reads {arity}")
-        if arity == 2 and tensors[0] == previous and tensors[1] != network_input:
+        if len(tensors) > arity:
+            layer["inputs"] = [named(t) for t in tensors]
+        elif arity == 2 and tensors[0] == previous and tensors[1] != network_input:
             layer["from"] = named(tensors[1])
         elif tensors != [previous]:
             layer["inputs"] = [named(t) for t in tensors]
@@ -196,9 +207,10 @@ def _traced_layers(module: nn.Module) -> list[dict]:
     return layers
 
 
-def _node_layer(node, submodules, sizes: dict) -> tuple[dict, list]:
+def _node_layer(node, submodules, sizes: dict, attributes: dict | None = None) -> tuple[dict, list]:
     """The spec layer of one traced call, and the tensors it reads: the op whose torch_calls holds its target."""
     args, kwargs = _with_batch_size(node.args, sizes), _with_batch_size(dict(node.kwargs), sizes)
+    args, kwargs = _with_attributes(args, attributes or {}), _with_attributes(kwargs, attributes or {})
     tensors = [a for a in args if hasattr(a, "name") and hasattr(a, "op")]
     if node.op == "call_module":
         layer = _module_layer(submodules[node.target], node.target)
@@ -219,6 +231,11 @@ def _node_layer(node, submodules, sizes: dict) -> tuple[dict, list]:
     if refused is not None:
         raise ModelSpecError(f"{node.name}: {refused}")
     label = getattr(target, "__name__", str(target))
+    read = [a for a in args if isinstance(a, TensorAttribute)]
+    if read:
+        raise ModelSpecError(f"{node.name}: {label} of the parameter {read[0]!r}: a parameter is read only as a scale "
+                             f"(x * p) or an added tensor (x + p); a class token (a cat of an expanded parameter) is "
+                             f"not supported")
     raise ModelSpecError(f"{node.name}: unsupported op {label}: supported ops are {', '.join(OPS)}")
 
 
@@ -474,3 +491,44 @@ def _reads_call(op, target, kind: str) -> bool:
 def _op_reading(target, kind: str = "call_function"):
     """The first registered op whose torch_calls hold a traced call's target (None if none)."""
     return next((op for op in OPS.values() if _reads_call(op, target, kind)), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# parameters read as tensors, a concat of one tensor
+
+
+def _tensor_attribute(module: nn.Module, node) -> TensorAttribute:
+    """A get_attr node as the parameter it reads (owner module's path, attribute, shape); a buffer or constant refused."""
+    owner, _, attribute = node.target.rpartition(".")
+    if not owner:
+        raise ModelSpecError(f"{node.name}: reads the top module's own parameter {attribute}: the spec names a "
+                             f"parameter '<layer>.<attribute>'; hold it in a submodule")
+    if "relative_position" in attribute:
+        raise ModelSpecError(f"{node.name}: reads {node.target}: a relative position bias (Swin's attention) is not "
+                             f"supported")
+    try:
+        value = module.get_parameter(node.target)
+    except AttributeError:
+        raise ModelSpecError(f"{node.name}: reads {node.target}, a tensor attribute that is no parameter (a buffer or a "
+                             f"constant); only parameters are read as tensors: make it an nn.Parameter") from None
+    return TensorAttribute(owner, attribute, tuple(value.shape))
+
+
+def _with_attributes(args, attributes: dict):
+    """A traced call's arguments with each get_attr node as its TensorAttribute (in tuples, lists and dicts too)."""
+    if isinstance(args, dict):
+        return {key: _with_attributes(value, attributes) for key, value in args.items()}
+    if isinstance(args, (tuple, list)):
+        return type(args)(_with_attributes(a, attributes) for a in args)
+    return attributes[args.name] if _is_node(args) and args.name in attributes else args
+
+
+def _single_concat(node) -> str | None:
+    """The node a torch.cat of one tensor reads (DenseNet's `torch.cat(inputs, 1)` of a list of one): no layer, the
+    tensor itself; None for any other node."""
+    if node.op != "call_function" or node.target is not torch.cat or not node.args:
+        return None
+    tensors = node.args[0]
+    if isinstance(tensors, (list, tuple)) and len(tensors) == 1 and _is_node(tensors[0]):
+        return tensors[0].name
+    return None

@@ -45,6 +45,8 @@ AROUND = {
     "attention": [CONV, {"op": "flatten_pixels"}, {"op": "transpose"}, {"name": "a", "op": "attention", "dim": 2}],
     "dot_product_attention": [CONV, {"op": "flatten_pixels"}, {"name": "t", "op": "transpose"},
                               {"op": "dot_product_attention", "inputs": ["t", "t", "t"]}],
+    "scale_by_parameter": [CONV, {"name": "s", "op": "scale_by_parameter", "parameter": "gamma", "shape": [2, 1, 1]}],
+    "add_parameter": [CONV, {"name": "a", "op": "add_parameter", "parameter": "offset", "shape": [1, 2, 1, 1]}],
     "flatten": [CONV, {"op": "max_pool2d", "kernel": 2}, {"op": "flatten"},
                 {"name": "fc", "op": "linear", "in": 2 * 3 * 3, "out": 2}],
 }

@@ -290,6 +290,8 @@ HYPOTHESES = (
     Family("another framework's default (GELU's formula, a leaky slope)", True, _port_slips("default")),
     Family("an attention's scale or softmax axis", True, _port_slips("attention")),
     Family("a kernel's orientation (a true convolution)", True, _port_slips("kernel orientation")),
+    Family("a parameter used as a tensor (left out of the input gradient, its gradient averaged over the batch)", True,
+           _port_slips("parameter")),
     Family("a transposed convolution's crop (its padding taken at the wrong side)", True, _port_slips("crop")),
     Family("a normalisation's statistics (constants in the backward, the unbiased variance, ε outside the root, "
            "running statistics)", True, _port_slips("statistics")),

@@ -200,6 +200,7 @@ class Op:
     parametrised = False
     combines = False  # reads a second input named by `from`
     arity = None  # how many inputs it reads where not 2 (combines) or 1: named by `inputs`
+    joins_many = False  # a traced call may pass it more inputs than its arity, named by `inputs` (expand chains them)
     elementwise = False  # output element i depends on input element i only
     masks = False  # its backward masks by its forward's decisions: the local bound reads the forward's flips
     windowed = False  # a convolution: its weight gradient sums windows of its input (the zoo's window slips plant there)
@@ -637,6 +638,8 @@ from . import attention  # noqa: E402,F401 - after tokens: softmax and matmul ac
 from . import multihead  # noqa: E402,F401 - after attention: its rules are linear's, matmul's and softmax's
 from . import clipped  # noqa: E402,F401 - after pointwise: its rules reuse the ReLU's mask and flip test
 from . import channels  # noqa: E402,F401 - after tokens: torch.split and x.chunk are read only as channel pieces
+from . import parameters  # noqa: E402,F401 - after arithmetic and attention: mul and scale refuse a parameter first
+from . import stochastic_depth  # noqa: E402,F401 - after dropout: its rules are a training dropout's
 
 __all__ = ["BATCH_SIZE", "BackwardReplaced", "BoundContext", "Field", "GradField", "Kernels", "LOSSES", "OPS", "Op", "OpSpecError",
            "OtherAttributes", "Parts", "PortSlip", "REQUIRED", "Rule", "SEED_CONV", "SPARSE_LIMIT", "SharedDraw", "has_values", "is_seed_conv", "register", "register_loss",

@@ -39,6 +39,11 @@ def gamma2(u: float) -> float:
     return 2.0 * u / (1.0 - 2.0 * u)
 
 
+def gamma_k(k: int, u: float) -> float:
+    """γₖ = ku/(1 − ku): k roundings in a product (Higham 2002, Lemma 3.1)."""
+    return k * u / (1.0 - k * u)
+
+
 class DropoutSlip(Rule):
     """A training dropout computed otherwise: the scale left out of a pass, the mask left out of the backward, or
     the mask inverted (the kept elements dropped), in forward and backward as the slip says."""
@@ -68,6 +73,9 @@ class Dropout(Op):
     name = "dropout"
     keys = {"p": 0.5, "training": False}
     elementwise = True
+    #: roundings in ŷ = x·mask·s: s's own and the product's (module docstring)
+    roundings = 2
+    every = "every dropout"
 
     torch_modules = (torch.nn.Dropout,)
     torch_calls = (F.dropout,)
@@ -142,8 +150,9 @@ class Dropout(Op):
         carried = None if error is None else error * mask * s
         if exact_scale(attrs):
             return carried
-        own = gamma2(u) * result.abs()
-        return own if carried is None else (1 + gamma2(u)) * carried + own
+        gamma = gamma_k(self.roundings, u)
+        own = gamma * result.abs()
+        return own if carried is None else (1 + gamma) * carried + own
 
     def forward_error(self, attrs, ins, y, params, ctx):
         if not attrs["training"]:
@@ -165,7 +174,8 @@ class Dropout(Op):
         (s's own rounding, the same for all): None where s is a power of two."""
         if not attrs["training"] or exact_scale(attrs):
             return None
-        return [u * t.abs(), SharedDraw(t, torch.full((1,), u, dtype=t.dtype, device=t.device))]
+        shared = (self.roundings - 1) * u  # s's own roundings, the same for every element
+        return [u * t.abs(), SharedDraw(t, torch.full((1,), shared, dtype=t.dtype, device=t.device))]
 
     def sampled_forward_scale(self, attrs, xs, y, params, kernels, u, lam):
         return self._sampled(attrs, y, u)
@@ -176,20 +186,21 @@ class Dropout(Op):
     # what a port gets wrong -------------------------------------------------------------------------
     def local_slip(self, attrs, g, theirs, expected, bound, u, ratio):
         """The localised backward's slip: g·s (the mask missing) or g·mask (the scale left out), each within the
-        bound plus its own γ₂ rounding."""
+        bound plus its own γₖ rounding (k = `roundings`)."""
         if not attrs["training"] or attrs["p"] == 0:
             return None
         unmasked, unscaled = g * keep_scale(attrs), expected / keep_scale(attrs)
-        if ratio(theirs, unmasked, bound + gamma2(u) * unmasked.abs()) <= 1.0:
+        gamma = gamma_k(self.roundings, u)
+        if ratio(theirs, unmasked, bound + gamma * unmasked.abs()) <= 1.0:
             return "mask missing (scaled by 1/(1 − p) only)"
-        if ratio(theirs, unscaled, bound + gamma2(u) * unscaled.abs()) <= 1.0:
+        if ratio(theirs, unscaled, bound + gamma * unscaled.abs()) <= 1.0:
             return "leaves out the scale 1/(1 − p)"
         return None
 
     def port_slips(self, attrs, in_shape):
         if not attrs["training"] or attrs["p"] == 0:
             return []
-        every = ("every dropout",)
+        every = (self.every,)
         return [PortSlip("dropout", "backward: mask missing (scaled by 1/(1 − p) only)",
                          lambda: DropoutSlip(backward_masked=False), every=every),
                 PortSlip("dropout", "backward leaves out the scale 1/(1 − p)",

@@ -679,7 +679,7 @@ class Linear(Op):
 
     def out_shape(self, attrs, in_shapes):
         shape = in_shapes[0]
-        if len(shape) not in (1, 2):
+        if len(shape) not in (1, 2) and not (len(shape) == 3 and shape[-1] == attrs["in"]):  # (H, W, C): pixels
             raise OpSpecError(f"linear needs features (F,) or tokens (T, F) but receives an image {_shape_text(shape)}: "
                               f"put a flatten before it")
         if shape[-1] is not None and shape[-1] != attrs["in"]:
@@ -729,7 +729,7 @@ class Linear(Op):
         return Field(y, total, None, ins[0].flips, memo)
 
     def backward_error(self, attrs, g, grad, ins, out, params, ctx, need, chi: int = 1):
-        if g.dim() == 3:
+        if g.dim() > 2:
             return self._token_backward_error(attrs, g, grad, ins, out, params, ctx, need)
         w = params["weight"]
         w_abs, g_abs = w.abs(), g.abs()
@@ -769,7 +769,7 @@ class Linear(Op):
     def _token_backward_error(self, attrs, g, grad, ins, out, params, ctx, need):
         """Tokens (N, T, F) as N·T rows: each row's input gradient is a row's, the weight and bias gradients sum over
         all rows; χ* = T (Janson 2004): a sample's tokens may share every rounding upstream (attention mixes them)."""
-        tokens = g.shape[1]
+        tokens = g.numel() // (g.shape[0] * g.shape[-1])  # T, or H·W pixels of (N, H, W, C)
         rows = lambda t: None if t is None else t.reshape(-1, t.shape[-1])  # noqa: E731
         flat_in = [Field(rows(f.value), rows(f.error), None, f.flips) for f in ins]
         flat_grad = GradField(rows(grad.error), rows(grad.flips), None, grad.flip_count, grad.owned)

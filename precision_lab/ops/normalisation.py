@@ -653,9 +653,9 @@ class LayerNorm(Normalisation):
 
     def out_shape(self, attrs, in_shapes):
         shape = in_shapes[0]
-        if len(shape) == 3:
-            raise OpSpecError("layer_norm normalises a feature vector's or a token's last axis, not an image: for a "
-                              "layer norm over C·H·W use group_norm with groups 1")
+        if len(shape) == 3 and shape[-1] != attrs["features"]:  # (H, W, C) after a permute is a pixel's channels
+            raise OpSpecError("layer_norm normalises a feature vector's, a token's or a pixel's (H, W, C) last axis, "
+                              "not an image: for a layer norm over C·H·W use group_norm with groups 1")
         if shape[-1] != attrs["features"]:
             raise OpSpecError(f"receives {shape[-1]} features on its last axis but declares 'features': "
                               f"{attrs['features']}")
@@ -695,13 +695,20 @@ class LayerNorm(Normalisation):
     def from_torch_call(self, target, args, kwargs):
         names = ("input", "normalized_shape", "weight", "bias", "eps")
         given = dict(zip(names, args)) | kwargs
-        if given.get("weight") is not None or given.get("bias") is not None:
-            raise OpSpecError("F.layer_norm with affine tensors: the spec cannot read them from a traced call; use "
-                              "nn.LayerNorm")
         shape = list(given["normalized_shape"])
         if len(shape) != 1:
             raise OpSpecError(f"F.layer_norm over {shape}: the spec's layer_norm normalises the last axis only")
-        return {"features": int(shape[0]), "affine": False, "eps": float(given.get("eps", 1e-5))}
+        read = {"features": int(shape[0]), "affine": False, "eps": float(given.get("eps", 1e-5))}
+        weight, bias = given.get("weight"), given.get("bias")
+        if weight is None and bias is None:
+            return read
+        # a module's own weight and bias (torchvision's LayerNorm2d): the layer is named by that module
+        owner = getattr(weight, "owner", None)
+        if not owner or (getattr(weight, "attribute", None), getattr(bias, "attribute", None)) != ("weight", "bias") \
+                or bias.owner != owner:
+            raise OpSpecError("F.layer_norm with affine tensors other than one module's own weight and bias; use "
+                              "nn.LayerNorm")
+        return {**read, "affine": True, "name": owner}
 
     def port_slips(self, attrs, in_shape):
         every = ("every layer norm",)

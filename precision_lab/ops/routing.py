@@ -143,6 +143,12 @@ class Add(Op):
     def call_inputs(self, tensors, args):
         return tensors
 
+    def from_torch_call(self, target, args, kwargs):
+        if any(not hasattr(a, "op") for a in args[:2]):
+            # a tensor and a number or a module's parameter: another op reads it (add_parameter)
+            raise OpSpecError(f"{self.verb} a tensor and something other than a computed tensor")
+        return {}
+
     def port_slips(self, attrs, in_shape):
         return dropping_slips(self)
 
@@ -184,12 +190,27 @@ class Add(Op):
 class Concat(Op):
     name = "concat"
     combines = True
+    joins_many = True
+
+    def expand(self, raw):
+        """A concat of k > 2 tensors (DenseNet's `torch.cat(features, 1)`): k − 1 concats, each joining the next tensor
+        to the ones before, in order; the last carries the written layer's name."""
+        inputs = raw.get("inputs")
+        if not isinstance(inputs, list) or len(inputs) <= 2:
+            return [raw]
+        rest = {key: value for key, value in raw.items() if key not in ("inputs", "name")}
+        chain = [{**rest, "inputs": inputs[:2]}] + [{**rest, "from": t} for t in inputs[2:]]
+        if "name" in raw:
+            chain[-1]["name"] = raw["name"]
+        return chain
 
     torch_calls = (torch.cat,)
     onnx_ops = ("Concat",)
 
     def from_onnx_node(self, node, graph):
         data = graph.data_inputs(node)
+        if len(data) == len(node.inputs) == 1:  # a concat of one tensor (DenseNet's first layer): the tensor itself
+            return OnnxRead({}, data, node.outputs[0], alias=True)
         require(int(attr(node, "axis", 1)) in (1, -3), f"axis {attr(node, 'axis')}: only channels (axis 1) are joined")
         require(len(data) == len(node.inputs) == 2, f"{len(node.inputs)} inputs: the spec's concat joins two "
                 f"computed tensors")

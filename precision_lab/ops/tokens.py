@@ -376,6 +376,11 @@ def _permuted_again(op, attrs, g, xs, y, params, kernels, need):
     return [again.reshape(xs[0].shape) if need[0] else None], {}
 
 
+def _over_image(dim) -> bool:
+    """Whether a mean's dims are an image's height and width ((2, 3) or (-2, -1) of (N, C, H, W)), in either order."""
+    return isinstance(dim, (list, tuple)) and sorted(d % 4 if isinstance(d, int) else d for d in dim) == [2, 3]
+
+
 class Mean(Op):
     """The mean over one per-sample axis, that axis dropped (`x.mean(dim=1)`: tokens (T, D) → (D,)).
 
@@ -402,11 +407,23 @@ class Mean(Op):
 
     def from_torch_call(self, target, args, kwargs):
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
         if isinstance(dim, (list, tuple)) and len(dim) == 1:
             dim = dim[0]
-        if not isinstance(dim, int) or kwargs.get("keepdim", args[2] if len(args) > 2 else False):
-            raise OpSpecError(f"mean over {dim!r}: only over one axis, keepdim=False (tokens: x.mean(dim=1))")
+        if _over_image(dim):
+            # x.mean((2, 3), keepdim=True) is AdaptiveAvgPool2d(1)'s global average itself
+            return {"op": "global_avg_pool2d"} if keepdim else {"dim": [2, 3]}
+        if not isinstance(dim, int) or keepdim:
+            raise OpSpecError(f"mean over {dim!r}: only over one axis, keepdim=False (tokens: x.mean(dim=1)), or over "
+                              f"an image's height and width (dim=(2, 3))")
         return {"dim": dim}
+
+    def expand(self, raw):
+        """A mean over an image's height and width (dim [2, 3]): the global average pool, then a flatten to (C,)."""
+        if not _over_image(raw.get("dim")):
+            return [raw]
+        pool = {"op": "global_avg_pool2d", **({"inputs": raw["inputs"]} if "inputs" in raw else {})}
+        return [pool, {"op": "flatten", **({"name": raw["name"]} if "name" in raw else {})}]
 
     def out_shape(self, attrs, in_shapes):
         shape = in_shapes[0]
