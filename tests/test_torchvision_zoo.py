@@ -58,3 +58,94 @@ def test_a_wrong_module_form_says_what_in_one_line(spec, says):
     with pytest.raises(ModelSpecError, match=None) as caught:
         load_model(spec)
     assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+class _LabMask(torch.nn.Module):
+    """A torchvision dropout or stochastic depth applying the lab's mask, as examples/torchvision/candidate.py does."""
+
+    def __init__(self, mask, p):
+        super().__init__()
+        self.mask, self.p = mask, p
+
+    def forward(self, x):
+        return x * self.mask / (1 - self.p)
+
+
+#: the families whose whole model the suite walks (the others' pieces are walked in test_idioms, test_clipped,
+#: test_channels and test_pools), each at the smallest size its strides and pools take
+WALKED = {"alexnet": 64, "squeezenet": 32, "googlenet": 32, "regnet": 32, "mnasnet": 32, "mobilenet_v2": 32,
+          "efficientnet": 32, "convnext": 32}
+
+
+@pytest.mark.parametrize("family", list(WALKED))
+def test_the_whole_model_walks_as_torchvisions_own_autograd(family):
+    """The spec of torchvision's own model, in training mode with the same masks, computes the module's output and
+    every parameter gradient in float64, to 1e-10 of the largest gradient (float64 sums of ~10⁵ terms: ≲ 1e-11)."""
+    variant = FAMILIES[family]
+    module = _module(variant).double()
+    network = from_module(module, loss="cross_entropy")
+    height, width = network.default_size(WALKED[family])
+    generator = torch.Generator().manual_seed(1)
+    masks = {name: (torch.rand(shape, generator=generator, dtype=torch.float64) > 0.3).double()
+             for name, shape in network.mask_shapes(2, height, width).items()}
+    lab = SpecModule(network, dtype=torch.float64)
+    lab.load_state_dict({k: v for k, v in module.state_dict().items() if k in dict(lab.named_parameters())})
+    lab.carry(masks)
+    for name, mask in masks.items():  # the module applies the lab's draw: both drop the same units
+        layer = name.rsplit(".", 1)[0]
+        parent, _, child = layer.rpartition(".")
+        owner = module.get_submodule(parent)
+        setattr(owner, child, _LabMask(mask, getattr(owner, child).p))
+    x = torch.randn(2, network.input_channels, height, width, dtype=torch.float64, generator=generator)
+    target = torch.tensor([3, 7])
+    expected = module(x)
+    torch.nn.functional.cross_entropy(expected, target).backward()
+    got = lab(x)
+    lab.loss(got, target).backward()
+    assert (got - expected).abs().max() <= 1e-10 * expected.abs().max()
+    theirs = dict(module.named_parameters())
+    assert set(theirs) == set(dict(lab.named_parameters()))
+    scale = max(p.grad.abs().max() for p in theirs.values())
+    worst = {k: float((theirs[k].grad - p.grad).abs().max() / scale) for k, p in lab.named_parameters()}
+    assert max(worst.values()) <= 1e-10, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_fourteen_of_sixteen_families_convert_and_the_others_say_why():
+    said = {}
+    for family, variant in FAMILIES.items():
+        try:
+            said[family] = len(from_module(_module(variant), loss="cross_entropy").layers)
+        except ModelSpecError as exc:
+            said[family] = str(exc)
+    refused = {family: text for family, text in said.items() if isinstance(text, str)}
+    assert set(refused) == {"swin", "vit"}, refused
+    assert "relative position bias" in refused["swin"] and "fixes the input size" in refused["vit"]
+    assert all("\n" not in text for text in refused.values())
+    assert said["densenet"] > 200 and said["regnet"] > 200  # the whole model, not a prefix
+
+
+def _diagnose(capsys, tmp_path, yaml_name, size, seed, probes):
+    out = tmp_path / "verdict.json"
+    code = cli.main(["diagnose", "--candidate", str(EXAMPLE / yaml_name), "--size", str(size), "--batch", "2",
+                     "--seed", str(seed), "--probes", probes, "--json", str(out)])
+    capsys.readouterr()
+    return code, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_torchvisions_own_resnet18_is_roundoff(capsys, tmp_path, seed):
+    """The module itself, through precision_lab.protocol, float32 and its float64 build: rounding, probes included."""
+    code, verdict = _diagnose(capsys, tmp_path, "resnet18.yaml", 32, seed, "default")
+    assert code == 0 and verdict["verdict"] == "roundoff", verdict["evidence"]
+    assert len(verdict["probes"]) == 3 and all(p["verdict"] == "roundoff" for p in verdict["probes"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slip, quantity", [("bias-one-sample", "fc.bias"), ("first-conv-1pct", "conv1.weight"),
+                                            ("first-conv-zeroed", "conv1.weight")])
+def test_torchvisions_resnet18_with_a_slip_is_a_defect(capsys, tmp_path, slip, quantity):
+    code, verdict = _diagnose(capsys, tmp_path, f"resnet18-{slip}.yaml", 32, 0, "none")
+    assert code == 1 and verdict["verdict"] == "defect", verdict["evidence"]
+    failing = [q for q, v in verdict["parameters"].items() if v["verdict"] != "roundoff"]
+    assert quantity in failing, failing
