@@ -197,30 +197,19 @@ def test_other_size_reads_are_refused_in_one_line(module, words):
     assert "\n" not in str(caught.value)
 
 
-class Pooled(nn.Module):
-    """torchvision's ShuffleNetV2 with its final `x.mean([2, 3])` as a global average pool."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        m = self.model
-        x = m.conv5(m.stage4(m.stage3(m.stage2(m.maxpool(m.conv1(x))))))
-        return m.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
-
-
 @pytest.fixture(scope="module")
 def shufflenet():
     models = pytest.importorskip("torchvision.models", reason="torchvision installs with make setup")
     torch.manual_seed(0)
-    module = Pooled(models.shufflenet_v2_x0_5(num_classes=10)).train()
-    return module, from_module(module, input_channels=3, loss="cross_entropy")
+    return models.shufflenet_v2_x0_5(num_classes=10)
 
 
-@pytest.mark.parametrize("size", [62, (62, 94)])  # sizes its strides divide (62 → 31 → 16 → 8 → 4 → 2; 64 needs floor pools)
-def test_torchvisions_shufflenet_walks_as_its_own_autograd(shufflenet, size):
-    module, network = shufflenet
+# at 32² conv5's batch norm sees 2 values a channel (1×1 pixels, batch 2): x̂ = ±1 whatever x, so two float64 runs of
+# its training-mode backward differ by 1e-7 (measured); evaluation mode reads the running statistics there
+@pytest.mark.parametrize("size, training", [(32, False), (64, True)])
+def test_torchvisions_shufflenet_walks_as_its_own_autograd(shufflenet, size, training):
+    module = shufflenet.train(training)
+    network = from_module(module, loss="cross_entropy")
     assert sum(layer.op == "channel_shuffle" for layer in network.layers) == 16
     assert sum(layer.op == "channel_slice" for layer in network.layers) == 26  # two pieces of each stride-1 unit
     problem = make_problem(size, 2, 0, network=network)
