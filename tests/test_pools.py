@@ -193,3 +193,12 @@ def test_an_onnx_export_with_ceil_mode_reads_as_the_module(tmp_path):
     x = torch.randn(2, 1, 18, 17, dtype=torch.float64)  # partial last windows along both axes
     with torch.no_grad():
         assert torch.allclose(lab(x), module.double()(x), rtol=1e-12, atol=1e-12)
+
+
+def test_probes_run_at_their_own_odd_sizes_and_diagnose_calls_a_right_float32_rounding(strided):
+    """The probes' odd sizes were refused by every strided network; they now run where PyTorch runs them."""
+    from precision_lab import diagnose, probes
+    from precision_lab.candidates import resolve
+
+    assert [probes.probe_problem(p, strided).size_text for p in probes.DEFAULT_PROBES] == ["61×67", "33×47", "45×39"]
+    assert diagnose(resolve("builtin:native"), strided, probes=[]).verdict == "roundoff"
