@@ -179,10 +179,10 @@ def _traced_layers(module: nn.Module) -> list[dict]:
         called.add(node.target)
         tensors = [a.name for a in inputs]
         arity = op_arity(OPS[layer["op"]])
-        if len(tensors) != arity:
+        if len(tensors) != arity and not (getattr(OPS[layer["op"]], "joins_several", False) and len(tensors) > arity):
             raise ModelSpecError(f"{node.name}: {layer['op']} of {len(tensors)} tensors; the spec's {layer['op']} "
                                  f"reads {arity}")
-        if arity == 2 and tensors[0] == previous and tensors[1] != network_input:
+        if len(tensors) == 2 and arity == 2 and tensors[0] == previous and tensors[1] != network_input:
             layer["from"] = named(tensors[1])
         elif tensors != [previous]:
             layer["inputs"] = [named(t) for t in tensors]

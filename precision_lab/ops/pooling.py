@@ -567,7 +567,4 @@ class FixedWindows(Rule):
         return F.avg_pool2d(xs[0], fixed["kernel"], fixed["stride"])
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
-        with torch.enable_grad():
-            leaf = xs[0].detach().requires_grad_(True)
-            (h,) = torch.autograd.grad(self.forward(attrs, [leaf], params, kernels), leaf, g)
-        return [h if need[0] else None], {}
+        return [Pool._autograd_backward(self, attrs, g, xs[0]) if need[0] else None], {}

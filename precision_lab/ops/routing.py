@@ -184,6 +184,21 @@ class Add(Op):
 class Concat(Op):
     name = "concat"
     combines = True
+    joins_several = True  # a torch.cat of more than two tensors reads as a chain of concats (expand)
+
+    def expand(self, raw):
+        """`inputs` of more than two tensors (an Inception block's four branches): [a, b], then each further one
+        joined after (exact copies either way, so the chain computes and bounds what one cat does)."""
+        inputs = raw.get("inputs")
+        if not isinstance(inputs, list) or len(inputs) <= 2:
+            return [raw]
+        if "input" in inputs[2:]:
+            raise OpSpecError("concat of the network input after two other tensors: put the input first or second")
+        rest = {key: value for key, value in raw.items() if key not in ("inputs", "name")}
+        chain = [dict(rest, inputs=inputs[:2])] + [dict(rest, **{"from": name}) for name in inputs[2:]]
+        if "name" in raw:
+            chain[-1]["name"] = raw["name"]
+        return chain
 
     torch_calls = (torch.cat,)
     onnx_ops = ("Concat",)
