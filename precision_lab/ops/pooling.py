@@ -385,7 +385,8 @@ class GlobalAvgPool2d(Op):
     @staticmethod
     def _one(size) -> dict:
         if size not in (1, (1, 1), [1, 1]):
-            raise OpSpecError(f"adaptive average pooling to {size!r}: only to 1×1 (a global average) is supported")
+            raise OpSpecError(f"adaptive average pooling to {size!r} is not a global average (1×1): give both output "
+                              f"sides as integers for adaptive_avg_pool2d")
         return {}
 
     def out_shape(self, attrs, in_shapes):
