@@ -14,7 +14,7 @@ A model spec describes a network in one of two forms, both valid in `bundle.json
 one value every consumer reads (problem, reference, error model, verdicts, doctors, bundles,
 experiments). Every check happens here, before anything runs: an unknown op names the op and
 the supported set; channels that do not chain, a `from` that names no earlier layer, a
-duplicate name, a size that a stride or pool cannot divide — each one line naming the layer
+duplicate name, a size the network cannot take — each one line naming the layer
 (`ModelSpecError`, exit code 2 from the CLI). Per-op rules live in `precision_lab.ops`.
 """
 from __future__ import annotations

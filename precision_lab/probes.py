@@ -11,7 +11,8 @@ gradient hides others. So a diagnosis judges, besides the requested problem, the
 | `odd-33x47-batch3` | 33×47 | 3 | batch 3 and another odd size: bugs that read only some samples or mix the batch axis with another |
 | `seed1-random-targets` | 45×39 | as asked | another seed and random targets: an upstream gradient without smooth structure, where slips that cancel on smooth gradients show |
 
-A network that cannot take a size (strides, pools) gets the nearest size it takes, odd and
+A network that cannot take a size (an upsample that must undo a stride, a "same" stride, attention's cap; strides
+and pools floor as PyTorch's, so odd sizes run) gets the nearest size it takes, odd and
 non-square where it can, never one the size parser refuses (each side ≥ problem.MIN_SIDE). A
 network with a fixed input size (a flatten feeding a linear layer) keeps the requested problem's
 size: another size of the same area (3×12 for 6×6) would change what the linear layer reads, so

@@ -228,8 +228,8 @@ OPTION_CASES = [
      ["--seed", "non-negative integer", "-3"]),
     ("size without width", ["diagnose", "--candidate", "builtin:native", "--size", "61x"], ["--size", "HxW", "61x"]),
     ("size with three sides", ["export", "--size", "8x8x8", "--out", "{d}/never"], ["--size", "8x8x8"]),
-    ("size the pools cannot divide", ["diagnose", "--candidate", "builtin:native", "--size", "65x64", "--model",
-                                      str(ROOT / "examples" / "models" / "lenet-classifier.json")], ["p1", "65"]),
+    ("size the linear layer cannot take", ["diagnose", "--candidate", "builtin:native", "--size", "65x64", "--model",
+                                           str(ROOT / "examples" / "models" / "lenet-classifier.json")], ["fc1", "300"]),
     ("size a stride cannot divide, export", ["export", "--size", "31", "--out", "{d}/never", "--model",
                                              str(ROOT / "examples" / "models" / "small-unet.json")], ["--size", "31"]),
 ]

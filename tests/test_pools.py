@@ -193,3 +193,46 @@ def test_an_onnx_export_with_ceil_mode_reads_as_the_module(tmp_path):
     x = torch.randn(2, 1, 18, 17, dtype=torch.float64)  # partial last windows along both axes
     with torch.no_grad():
         assert torch.allclose(lab(x), module.double()(x), rtol=1e-12, atol=1e-12)
+
+
+def test_probes_run_at_their_own_odd_sizes_and_diagnose_calls_a_right_float32_rounding(strided):
+    """The probes' odd sizes were refused by every strided network; they now run where PyTorch runs them."""
+    from precision_lab import diagnose, probes
+    from precision_lab.candidates import resolve
+
+    assert [probes.probe_problem(p, strided).size_text for p in probes.DEFAULT_PROBES] == ["61×67", "33×47", "45×39"]
+    assert diagnose(resolve("builtin:native"), strided, probes=[]).verdict == "roundoff"
+
+
+class Inception(nn.Module):
+    """Four branches joined by one torch.cat, as an Inception block (googlenet) writes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(2, 3, 1), nn.Conv2d(2, 2, 3, padding=1)
+        self.c, self.pool = nn.Conv2d(2, 1, 5, padding=2), nn.MaxPool2d(3, 1, padding=1, ceil_mode=True)
+        self.head = nn.Conv2d(8, 1, 3, stride=2)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.a(x), torch.relu(self.b(x)), self.c(x), self.pool(x)], 1))
+
+
+def test_a_cat_of_four_branches_is_a_chain_of_concats_that_walks_as_autograd():
+    torch.manual_seed(0)
+    network = from_module(Inception(), input_channels=2)
+    assert [layer.op for layer in network.layers].count("concat") == 3
+    problem = make_problem((15, 13), 2, 0, network=network)
+    walked, autograd = forward_backward(problem, "float64"), autograd_forward_backward(problem, "float64")
+    for name in walked.grads:
+        scale = np.abs(autograd.grads[name]).max()
+        assert np.abs(walked.grads[name] - autograd.grads[name]).max() <= 1e-12 * scale, name
+
+
+@pytest.mark.parametrize("family", ["squeezenet1_0", "googlenet", "vgg11_bn", "alexnet"])
+def test_torchvision_families_with_ceil_and_adaptive_pools_convert(family):
+    torchvision = pytest.importorskip("torchvision", reason="torchvision installs with make setup")
+    extra = {"aux_logits": False, "init_weights": True} if family == "googlenet" else {}
+    network = from_module(getattr(torchvision.models, family)(num_classes=10, **extra), loss="cross_entropy")
+    ops = {layer.op for layer in network.layers}
+    assert ("adaptive_avg_pool2d" in ops) == (family in ("vgg11_bn", "alexnet"))
+    assert any(layer.attrs.get("ceil_mode") for layer in network.layers) == (family in ("squeezenet1_0", "googlenet"))

@@ -4,7 +4,7 @@ Every op is one class registered under its spec name. It says, for itself:
 
 * which attributes it takes and what they default to (`keys`), and checks them (`normalise`);
 * its output shape for given input shapes (`out_shape`, `axis_length`), refusing a size that a
-  stride or pool cannot divide; its parameters and their canonical shapes (`param_shapes`);
+  layer cannot take (as PyTorch: strides and pools floor); its parameters and their canonical shapes (`param_shapes`);
 * its forward and its backward in any dtype (`forward`, `backward`), through `Kernels` (which
   convolution algorithm, which operand rounding), so the same walk gives the float32 candidates,
   the float64 reference and the emulated formats;

@@ -385,7 +385,8 @@ class GlobalAvgPool2d(Op):
     @staticmethod
     def _one(size) -> dict:
         if size not in (1, (1, 1), [1, 1]):
-            raise OpSpecError(f"adaptive average pooling to {size!r}: only to 1×1 (a global average) is supported")
+            raise OpSpecError(f"adaptive average pooling to {size!r} is not a global average (1×1): give both output "
+                              f"sides as integers for adaptive_avg_pool2d")
         return {}
 
     def out_shape(self, attrs, in_shapes):
@@ -567,7 +568,4 @@ class FixedWindows(Rule):
         return F.avg_pool2d(xs[0], fixed["kernel"], fixed["stride"])
 
     def backward(self, attrs, g, xs, y, params, kernels, need):
-        with torch.enable_grad():
-            leaf = xs[0].detach().requires_grad_(True)
-            (h,) = torch.autograd.grad(self.forward(attrs, [leaf], params, kernels), leaf, g)
-        return [h if need[0] else None], {}
+        return [Pool._autograd_backward(self, attrs, g, xs[0]) if need[0] else None], {}

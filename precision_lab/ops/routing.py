@@ -198,6 +198,8 @@ class Concat(Op):
         inputs = raw.get("inputs")
         if not isinstance(inputs, list) or len(inputs) <= 2:
             return [raw]
+        if "input" in inputs[2:]:  # a later link reads its first input as the chain so far
+            raise OpSpecError("concat of the network input after two other tensors: put the input first or second")
         rest = {key: value for key, value in raw.items() if key not in ("inputs", "name")}
         chain = [{**rest, "inputs": inputs[:2]}] + [{**rest, "from": t} for t in inputs[2:]]
         if "name" in raw:
