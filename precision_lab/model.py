@@ -478,6 +478,14 @@ def _check_chain(network: Network, where: str) -> None:
 BUILTIN_MODELS = {"seed": SEED_SPEC}
 
 
+def symbolic_shapes(spec: dict) -> list[tuple]:
+    """Per-layer per-sample shapes of a layer-form spec, the height and width left free (None): the channel counts a
+    traced module reads (precision_lab.tracing)."""
+    network = parse_spec(spec, spec.get("name", "model"))
+    shapes = network._symbolic_shapes()
+    return [shapes[i] for i in range(len(network.layers))]
+
+
 def load_model(source: Any = None, base_dir: str | Path | None = None) -> Network:
     """A Network from a spec dict, a JSON/YAML file path, a built-in name ('seed'), or a Network.
 
@@ -571,7 +579,7 @@ def _module_form(spec: dict, where: str) -> Network:
     loss = spec.get("loss", MSE.name)
     if loss not in LOSSES:
         raise ModelSpecError(f"{where}: unknown loss {loss!r}: supported losses are {', '.join(LOSSES)}")
-    layer_spec = module_spec(module, spec.get("input_channels"), loss, spec.get("name") or attribute)
+    layer_spec = module_spec(module, symbolic_shapes, spec.get("input_channels"), loss, spec.get("name") or attribute)
     return parse_spec(layer_spec, f"{where} ({reference})")
 
 
