@@ -5,6 +5,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -261,3 +264,19 @@ def test_the_reference_free_checks_calls_go_to_one_worker(tmp_path):
     assert len(calls) >= 4 and {line.split()[1] for line in calls} == {"float32", "float64"}
     assert len(_pids(tmp_path)) == 1 and _gone(_pids(tmp_path)[0])  # one start for every call, closed at the end
     assert result.verdict == "roundoff"
+
+
+def test_ctrl_c_ends_the_diagnosis_and_its_worker(tmp_path):
+    path = _yaml(tmp_path, "hang", command=["{python}", "hang.py", "{request}", "{response}"])
+    (tmp_path / "hang.py").write_text(HANGS)
+    lab = subprocess.Popen([sys.executable, "-m", "precision_lab.cli", "diagnose", "--candidate", str(path),
+                            "--size", str(SIZE), "--batch", "2", "--probes", "none"], cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120  # the lab's start on a busy 2-core machine, then the worker's
+    while not (tmp_path / "pids.txt").exists() and time.monotonic() < deadline and lab.poll() is None:
+        time.sleep(0.2)
+    worker = _pids(tmp_path)[0]
+    lab.send_signal(signal.SIGINT)
+    _, stderr = lab.communicate(timeout=60)
+    assert lab.returncode == 130 and "interrupted" in stderr
+    assert _gone(worker)

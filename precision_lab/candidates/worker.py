@@ -80,8 +80,8 @@ class Worker:
                          name="worker-stdout").start()
 
     def ask(self, request: Path, response: Path, precision: str, timeout_s: float) -> None:
-        """Send one request and wait for its frame; raises WorkerLost (the worker killed) or returns the error
-        string of an ok:false answer as ProgramError."""
+        """Send one request and wait for its answer; raises WorkerLost (exited, or killed at the timeout) or
+        ProgramError (it answered ok:false)."""
         deadline = time.monotonic() + timeout_s
         if not self.alive():
             if self.process is not None:
