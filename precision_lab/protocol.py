@@ -297,15 +297,16 @@ def run(compute: Callable[[Request], tuple], layout: str | None = None, activati
     `compute` returns (loss, grads) or (loss, grads, output). A request or response that breaks the
     contract ends the program with one line on stderr and exit status 2 (a worker answers it and serves on).
     """
-    if os.environ.get(WORKER_ENV) == "1":
-        serve(compute, layout, activations)
-        return
+    worker = os.environ.get(WORKER_ENV) == "1"
     args = sys.argv[1:] if argv is None else list(argv)
-    if len(args) != 2:
+    if len(args) != 2 and not worker:
         print(f"usage: {Path(sys.argv[0]).name} REQUEST_DIR RESPONSE_DIR", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT)
     try:
-        answer_one(compute, args[0], args[1], layout, activations)
+        if worker:
+            serve(compute, layout, activations)  # a bad layout or activations ends it here, before any request
+        else:
+            answer_one(compute, args[0], args[1], layout, activations)
     except LabInputError as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT) from None
