@@ -341,6 +341,7 @@ def diagnosis_cost(candidate: Path, size, batch: int, seed: int, repeats: int = 
         if runner is None:  # built after the first diagnosis: this process stays small until then
             runner = resolve(str(candidate))
             problem = make_problem(size, batch, seed, network=runner.network)
+        _fresh(runner)  # a worker (`worker: true`) is started by the own run, as a plain command is: its start counts
         (seconds, _), cpu_s = _children_cpu(lambda: _timed(lambda: runner.compute(problem, "float32", device), device))
         own_s.append(seconds)
         own_cpu_s.append(cpu_s)
@@ -348,6 +349,7 @@ def diagnosis_cost(candidate: Path, size, batch: int, seed: int, repeats: int = 
             (seconds, _), cpu_s = _children_cpu(lambda: _timed(lambda: runner.compute(asked, precision, device), device))
             calls_s.setdefault(name, []).append(seconds)
             calls_cpu_s.setdefault(name, []).append(cpu_s)
+    _fresh(runner)  # no worker outlives the timings
     calls = {name: min(seconds) for name, seconds in calls_s.items()}
     floor = _calls_floor(min(own_s), calls, calls_at_once(runner, torch.device(device)) > 1)
     # a call needs at least its wall time alone of one core, and no more than its CPU seconds (threads may spin)
@@ -362,6 +364,13 @@ def diagnosis_cost(candidate: Path, size, batch: int, seed: int, repeats: int = 
             "peak_tree_rss_gb": max(tree_peaks), "lab_peak_rss_gb": lab_peak,
             "memory_target_gb": DIAGNOSIS_MEMORY_TARGET_GB, "verdict_exit_code": returncode,
             "diagnose_runs_s": diagnose_s, "candidate_runs_s": own_s}
+
+
+def _fresh(runner) -> None:
+    """End the candidate's workers, if it has any: its next call starts the program as a user's run does."""
+    program = getattr(runner.run, "__self__", None)  # a command candidate's run is CommandProgram.run
+    if hasattr(program, "close"):
+        program.close()
 
 
 def _calls(runner, problem) -> dict:

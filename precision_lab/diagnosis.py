@@ -360,6 +360,8 @@ def _programs(candidate: Candidate, calls: int = 2):
             pool.shutdown(wait=False, cancel_futures=True)  # the queued runs never start
             program.cancel()
             raise
+        finally:
+            program.close()  # a worker (`worker: true`) ends with the diagnosis
 
 
 def _repeats(candidate, problem, where, trace, first: Result, repeats: int, bar) -> Spread:

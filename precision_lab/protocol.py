@@ -28,13 +28,19 @@ The contract (stable, like the exchange format it reads and writes):
   gradient buffer exactly as your framework wrote it.
 * A request or response that breaks the contract (a missing or extra gradient, a wrong shape or
   dtype, NaN/Inf) raises `ProtocolError`; `run` prints it as one line and exits 2.
+* Worker mode (`worker: true` in the YAML, docs/external.md §2): started with PRECISION_LAB_WORKER=1, `run`
+  answers one request per stdin line until EOF; an error in one request is its answer, and the next is served.
+  What the program prints goes to stderr (file descriptor 1 is pointed there): stdout carries the frames only.
 * An opaque request (`model: opaque`, docs/external.md §5) comes as an `OpaqueRequest`: `request.arrays`
   (everything the start bundle holds), `request.params` (the listed parameters), no layouts; `compute`
   returns (loss, grads) and the response goes back in the request's format (npz or raw).
 """
 from __future__ import annotations
 
+import json
+import os
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -279,27 +285,80 @@ def write_response(directory: str | Path, request: Request | OpaqueRequest, loss
                                  raw=request.raw, network=request.network)
 
 
+#: the variable the lab sets when it starts the program as a worker (candidates/worker.py)
+WORKER_ENV = "PRECISION_LAB_WORKER"
+
+
 def run(compute: Callable[[Request], tuple], layout: str | None = None, activations: str = "NCHW",
         argv: list[str] | None = None) -> None:
-    """A candidate's main: read argv's REQUEST_DIR, call `compute(request)`, write RESPONSE_DIR.
+    """A candidate's main: read argv's REQUEST_DIR, call `compute(request)`, write RESPONSE_DIR; as a worker
+    (PRECISION_LAB_WORKER=1, `worker: true` in the YAML), the same for each request framed on stdin until EOF.
 
     `compute` returns (loss, grads) or (loss, grads, output). A request or response that breaks the
-    contract ends the program with one line on stderr and exit status 2.
+    contract ends the program with one line on stderr and exit status 2 (a worker answers it and serves on).
     """
+    worker = os.environ.get(WORKER_ENV) == "1"
     args = sys.argv[1:] if argv is None else list(argv)
-    if len(args) != 2:
+    if len(args) != 2 and not worker:
         print(f"usage: {Path(sys.argv[0]).name} REQUEST_DIR RESPONSE_DIR", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT)
     try:
-        request = read_request(args[0], layout, activations)
-        answer = compute(request)
-        if not isinstance(answer, tuple) or len(answer) not in (2, 3):
-            raise ProtocolError("protocol: compute(request) must return (loss, grads) or (loss, grads, output)")
-        write_response(args[1], request, *answer)
+        if worker:
+            serve(compute, layout, activations)  # a bad layout or activations ends it here, before any request
+        else:
+            answer_one(compute, args[0], args[1], layout, activations)
     except LabInputError as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT) from None
 
 
-__all__ = ["ACTIVATION_LAYOUTS", "OpaqueRequest", "ProtocolError", "Request", "opaque_response_arrays", "read_request",
-           "response_arrays", "run", "write_response"]
+def answer_one(compute: Callable, request_dir: str | Path, response_dir: str | Path, layout: str | None = None,
+               activations: str = "NCHW") -> None:
+    """Read one request, compute, write its response (every contract check of `run`)."""
+    request = read_request(request_dir, layout, activations)
+    answer = compute(request)
+    if not isinstance(answer, tuple) or len(answer) not in (2, 3):
+        raise ProtocolError("protocol: compute(request) must return (loss, grads) or (loss, grads, output)")
+    write_response(response_dir, request, *answer)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def serve(compute: Callable, layout: str | None = None, activations: str = "NCHW", stdin=None) -> None:
+    """Worker mode: for each stdin line {"id", "request", "response"} answer {"id", "ok"[, "error"]} on stdout
+    once the response is written, until EOF. Any exception of a request is its answer (ok false, one line; the
+    traceback on stderr) and the worker serves on."""
+    _check_choices(layout, activations)
+    sys.stdout.flush()
+    frames = os.fdopen(os.dup(1), "w", buffering=1)  # the real stdout, for frames only
+    os.dup2(2, 1)  # print() and C libraries writing to descriptor 1 now reach stderr: they cannot break a frame
+    for line in stdin if stdin is not None else sys.stdin:
+        if not line.strip():
+            continue
+        ident = None
+        try:
+            try:
+                frame = json.loads(line)
+            except ValueError:
+                frame = None
+            ident = frame.get("id") if isinstance(frame, dict) else None
+            if not isinstance(frame, dict) or not isinstance(frame.get("request"), str) \
+                    or not isinstance(frame.get("response"), str):
+                raise ProtocolError(f"protocol: a request line is {{\"id\": N, \"request\": DIR, \"response\": DIR}}, "
+                                    f"got {line.strip()[:200]!r}")
+            answer_one(compute, frame["request"], frame["response"], layout, activations)
+            answer = {"id": ident, "ok": True}
+        except Exception as exc:  # noqa: BLE001 — the request fails, the worker serves the next one
+            if not isinstance(exc, LabInputError):
+                traceback.print_exc(file=sys.stderr)
+            answer = {"id": ident, "ok": False, "error": _one_line(f"{type(exc).__name__}: {exc}"
+                                                                   if not isinstance(exc, LabInputError) else exc)}
+        sys.stdout.flush()
+        frames.write(json.dumps(answer) + "\n")
+    frames.close()
+
+
+__all__ = ["ACTIVATION_LAYOUTS", "OpaqueRequest", "ProtocolError", "Request", "answer_one", "opaque_response_arrays",
+           "read_request", "response_arrays", "run", "serve", "write_response"]

@@ -1,6 +1,7 @@
 """A candidate for precision-lab in plain numpy: copy it and replace `forward_backward` with your code.
 
 Usage: python candidate.py REQUEST_DIR RESPONSE_DIR
+   or, as a worker (candidate-worker.yaml): PRECISION_LAB_WORKER=1 python candidate.py, one request per stdin line
 
 Reads the request bundle (bundle.json + arrays.npz, weights in the layout bundle.json names),
 runs one forward and backward of the 3-layer CNN (conv 3x3 pad 1 + bias, ReLU, conv, ReLU,
@@ -10,6 +11,7 @@ Each 3x3 convolution is nine shifted matrix products ("shift and GEMM", numpy's 
 over the kernel offsets.
 """
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -105,7 +107,22 @@ def main(request_dir, response_dir):
         {"format": "precision-lab/bundle-1", "kind": "response", "precision": meta["precision"], "weight_layout": layout}))
 
 
+def serve():
+    """Worker mode (`worker: true`, PRECISION_LAB_WORKER=1): one request per stdin line, one answer line each, until EOF."""
+    for line in sys.stdin:
+        frame = json.loads(line)
+        try:
+            main(frame["request"], frame["response"])
+            answer = {"id": frame["id"], "ok": True}
+        except Exception as exc:  # the request fails; the worker serves the next one
+            answer = {"id": frame["id"], "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(answer), flush=True)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    if os.environ.get("PRECISION_LAB_WORKER") == "1":
+        serve()
+    elif len(sys.argv) != 3:
         sys.exit("usage: python candidate.py REQUEST_DIR RESPONSE_DIR")
-    main(sys.argv[1], sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2])

@@ -13,6 +13,7 @@ The candidate YAML::
     request_format: npz         # optional: npz (default) or raw (column-major .bin files)
     env: {OMP_NUM_THREADS: "4"} # optional: extra environment variables (strings)
     model: my-net.json          # optional: a model spec file (or the spec inline); default the seed CNN
+    worker: true                # optional: start the program once and send it every request on stdin (worker.py)
 
 Each call: the lab makes a fresh temporary working directory, writes the request bundle to
 `<tmp>/request/`, creates the empty `<tmp>/response/`, and runs the command there with no
@@ -46,9 +47,10 @@ from ..layout import check_layout
 from ..model import ModelSpecError, load_model
 from ..problem import Problem
 from . import Candidate, CandidateError
+from .worker import ProgramError, WorkerLost, WorkerPool, worker_argv
 
 KEYS = ("name", "description", "command", "command_float64", "precision", "weight_layout", "timeout_s",
-        "request_format", "env", "model", "start", "loss_scale")
+        "request_format", "env", "model", "start", "loss_scale", "worker")
 REQUEST_FORMATS = ("npz", "raw")
 #: variables passed through from the lab's environment when set (the rest is not inherited)
 PASSTHROUGH_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES",
@@ -130,6 +132,14 @@ def _timeout(path: Path, spec: dict) -> float:
     return float(value)
 
 
+def _worker(path: Path, spec: dict) -> bool:
+    value = spec.get("worker", False)
+    if not isinstance(value, bool):
+        raise CommandCandidateError(f"{path}: key 'worker' is {value!r}, expected true (start the program once and "
+                                    f"send it each request on stdin, docs/external.md §2) or false")
+    return value
+
+
 def _extra_env(path: Path, spec: dict) -> dict[str, str]:
     env = spec.get("env") or {}
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, (str, int, float)) for k, v in env.items()):
@@ -163,7 +173,7 @@ def load_command_candidate(path: str | Path) -> Candidate:
         yaml_path=path, name=name, claimed=precision, weight_layout=layout,
         commands={"float32": _argv(path, spec, "command"), "float64": _argv(path, spec, "command_float64")},
         timeout_s=_timeout(path, spec), raw=_choice(path, spec, "request_format", "npz", REQUEST_FORMATS) == "raw",
-        env=_extra_env(path, spec))
+        env=_extra_env(path, spec), worker=_worker(path, spec))
     description = spec.get("description") or f"external program {' '.join(program.commands['float32'])}"
     return Candidate(name=name, description=str(description), run=program.run, claimed_precision=precision,
                      weight_layout=layout, family="command", has_float64=program.commands["float64"] is not None,
@@ -203,9 +213,11 @@ class CommandProgram:
     """The command(s) of one candidate YAML and how to call them on a problem."""
 
     def __init__(self, yaml_path: Path, name: str, claimed: str, weight_layout: str,
-                 commands: dict[str, list[str] | None], timeout_s: float, raw: bool, env: dict[str, str]):
+                 commands: dict[str, list[str] | None], timeout_s: float, raw: bool, env: dict[str, str],
+                 worker: bool = False):
         self.yaml_path, self.name, self.claimed, self.weight_layout = yaml_path, name, claimed, weight_layout
         self.commands, self.timeout_s, self.raw, self.env = commands, timeout_s, raw, env
+        self.workers = WorkerPool() if worker else None  # `worker: true`: programs that stay up between calls
         self.folder = yaml_path.parent
         self._running: set[subprocess.Popen] = set()  # calls in flight, for cancel() from another thread
         self._lock = threading.Lock()  # orders cancel() against the start of a call
@@ -225,6 +237,11 @@ class CommandProgram:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(process.pid, signal.SIGKILL)
 
+    def close(self) -> None:
+        """Shut the workers down (stdin closed, killed after a grace period); the next call starts new ones."""
+        if self.workers is not None:
+            self.workers.close()
+
     def run(self, problem: Problem, precision: str, device: torch.device) -> Result:
         from ..bundle import BundleError, read_response, result_from_bundle, write_request
 
@@ -236,9 +253,7 @@ class CommandProgram:
             request, response = workdir / "request", workdir / "response"
             write_request(problem, request, exchange_precision, self.weight_layout, raw=self.raw)
             response.mkdir()
-            argv = self.argv(self.commands[key], request, response, f"command{'_float64' if key == 'float64' else ''}")
-            env = child_environment(self.env, workdir, request, response, exchange_precision)
-            wall_s = self.call(argv, workdir, env)
+            wall_s, program = self.exchange(key, workdir, request, response, exchange_precision)
             try:
                 bundle = read_response(response, exchange_precision, self.weight_layout, problem.input.shape,
                                        problem.network)
@@ -246,10 +261,55 @@ class CommandProgram:
                 raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): bad response: "
                                             f"{str(exc).replace(str(workdir) + os.sep, '')}") from None
             result = result_from_bundle(bundle)
-        result.meta.update(wall_s=wall_s, command=argv[0], exchange_precision=exchange_precision,
+        result.meta.update(wall_s=wall_s, command=program, exchange_precision=exchange_precision,
                            weight_layout=self.weight_layout)
         result.meta.pop("bundle", None)  # the temporary response folder is gone
         return result
+
+    def exchange(self, key: str, workdir: Path, request: Path, response: Path, precision: str) -> tuple[float, str]:
+        """One call of build `key` (float32, float64) on the request bundle written at `request`, its response to
+        `response`: a run of the command, or a request to a worker; (wall seconds, the program)."""
+        name = "command_float64" if key == "float64" else "command"
+        template = self.commands[key] if self.workers is None else worker_argv(self.commands[key])
+        argv = self.argv(template, request, response, name)
+        env = child_environment(self.env, workdir, request, response, precision)
+        if self.workers is None:
+            return self.call(argv, workdir, env), argv[0]
+        return self.ask_worker(argv, env, request, response, precision), argv[0]
+
+    def ask_worker(self, argv: list[str], env: dict[str, str], request: Path, response: Path, precision: str) -> float:
+        """One request to a free worker of `argv` (started if none is): a worker lost during it (exited, hung past
+        timeout_s) is started again and asked once more; a second loss is this call's error."""
+        where = f"candidate {self.name} ({self.yaml_path})"
+        start = time.perf_counter()
+        worker = self.workers.take(argv, env, self._spawn_worker, self._forget)
+        try:
+            try:
+                worker.ask(request, response, precision, self.timeout_s)
+                return time.perf_counter() - start
+            except WorkerLost as exc:
+                first = str(exc)
+            shutil.rmtree(response, ignore_errors=True)  # nothing of the lost attempt is read as the answer
+            response.mkdir()
+            try:
+                worker.ask(request, response, precision, self.timeout_s)
+                return time.perf_counter() - start
+            except WorkerLost as exc:
+                raise CommandCandidateError(
+                    f"{where}: worker {first}, and again after a restart ({exc}); with `worker: true` the program "
+                    f"must answer each request on stdin until EOF (docs/external.md §2){_tail(worker.stderr_path)}"
+                    f"{_env_hint(worker.stderr_path, self.env)}") from None
+        except ProgramError as exc:
+            raise CommandCandidateError(f"{where}: worker answered an error: {exc}") from None
+        finally:
+            self.workers.give_back(worker)
+
+    def _spawn_worker(self, argv: list[str], workdir: Path, env: dict[str, str], stderr) -> subprocess.Popen:
+        return self._spawn(argv, workdir, env, subprocess.PIPE, stderr, stdin=subprocess.PIPE)
+
+    def _forget(self, process: subprocess.Popen) -> None:
+        with self._lock:
+            self._running.discard(process)
 
     def argv(self, template: list[str], request: Path, response: Path, key: str) -> list[str]:
         """The argument list with placeholders filled and relative paths made absolute."""
@@ -302,21 +362,7 @@ class CommandProgram:
         stdout_path, stderr_path = workdir / "stdout.txt", workdir / "stderr.txt"
         start = time.perf_counter()
         with open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr:
-            try:
-                with self._lock:  # a cancel() before this point stops the call; one after it kills the process
-                    if self._cancelled:
-                        raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): cancelled")
-                    process = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
-                                               stderr=stderr, start_new_session=True)
-                    self._running.add(process)
-            except FileNotFoundError:
-                raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): command {argv[0]!r} not found") from None
-            except PermissionError:
-                raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): {argv[0]!r} is not "
-                                            f"executable (chmod +x it)") from None
-            except OSError as exc:
-                raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): cannot start {argv[0]!r} "
-                                            f"({exc.strerror or exc})") from None
+            process = self._spawn(argv, workdir, env, stdout, stderr)
             try:
                 returncode = process.wait(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
@@ -335,6 +381,26 @@ class CommandProgram:
             raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): command {status}"
                                         f"{_tail(stderr_path)}{_env_hint(stderr_path, self.env)}")
         return time.perf_counter() - start
+
+    def _spawn(self, argv: list[str], workdir: Path, env: dict[str, str], stdout, stderr,
+               stdin=subprocess.DEVNULL) -> subprocess.Popen:
+        """Start the program (no shell, own process group) unless calls were cancelled; cancel() kills it."""
+        try:
+            with self._lock:  # a cancel() before this point stops the call; one after it kills the process
+                if self._cancelled:
+                    raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): cancelled")
+                process = subprocess.Popen(argv, cwd=workdir, env=env, stdin=stdin, stdout=stdout, stderr=stderr,
+                                           start_new_session=True)
+                self._running.add(process)
+        except FileNotFoundError:
+            raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): command {argv[0]!r} not found") from None
+        except PermissionError:
+            raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): {argv[0]!r} is not "
+                                        f"executable (chmod +x it)") from None
+        except OSError as exc:
+            raise CommandCandidateError(f"candidate {self.name} ({self.yaml_path}): cannot start {argv[0]!r} "
+                                        f"({exc.strerror or exc})") from None
+        return process
 
 
 #: what a program that needs a variable of the user's shell says when it fails at start-up

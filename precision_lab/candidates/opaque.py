@@ -38,13 +38,13 @@ from ..gradcheck import Evaluation, GradCheck, check_gradients
 from ..gradcheck.program import check_evaluation, exact_cast, storage_dtype
 from ..layout import check_layout
 from . import Candidate, CandidateError
-from .command import CommandCandidateError, CommandProgram, _argv, _choice, _extra_env, _timeout, child_environment
+from .command import CommandCandidateError, CommandProgram, _argv, _choice, _extra_env, _timeout, _worker
 
 #: keys of an opaque model object in bundle.json
 MODEL_KEYS = ("opaque", "parameters", "description")
 #: YAML keys an opaque candidate accepts (weight_layout has no meaning without a model, but is allowed)
 YAML_KEYS = ("name", "description", "model", "start", "command", "command_float64", "precision", "timeout_s",
-             "request_format", "env", "weight_layout")
+             "request_format", "env", "weight_layout", "worker")
 
 
 @dataclass
@@ -168,10 +168,7 @@ class OpaqueProgram:
             request, response = workdir / "request", workdir / "response"
             self.write_request(request, exchange, dtype, params)
             response.mkdir()
-            argv = self.program.argv(self.program.commands[key], request, response,
-                                     "command_float64" if key == "float64" else "command")
-            env = child_environment(self.program.env, workdir, request, response, exchange)
-            wall_s = self.program.call(argv, workdir, env)
+            wall_s, _ = self.program.exchange(key, workdir, request, response, exchange)
             where = f"candidate {self.name} ({self.program.yaml_path}): {build} build"
             try:
                 evaluation = read_response(response, exchange, dtype, self.shapes)
@@ -240,8 +237,14 @@ class OpaqueCandidate(Candidate):
     def check(self, seed: int = 0, max_calls: int | None = None, progress: bool = False) -> GradCheck:
         """Run the reference-free gradient check on this program at its start bundle's parameters."""
         self.program.program.allow_calls()
-        return check_gradients(self.program, self.start.parameter_values(), seed=seed, max_calls=max_calls,
-                               progress=progress)
+        try:
+            return check_gradients(self.program, self.start.parameter_values(), seed=seed, max_calls=max_calls,
+                                   progress=progress)
+        except BaseException:
+            self.program.program.cancel()  # Ctrl-C or a failed call: no worker is left running
+            raise
+        finally:
+            self.program.program.close()
 
 
 def load_opaque_candidate(path: Path, spec: dict) -> OpaqueCandidate:
@@ -270,7 +273,7 @@ def load_opaque_candidate(path: Path, spec: dict) -> OpaqueCandidate:
     program = CommandProgram(
         yaml_path=path, name=name, claimed=precision, weight_layout=spec.get("weight_layout", "OIHW"),
         commands={"float32": _argv(path, spec, "command"), "float64": _argv(path, spec, "command_float64")},
-        timeout_s=_timeout(path, spec), raw=bool(raw), env=_extra_env(path, spec))
+        timeout_s=_timeout(path, spec), raw=bool(raw), env=_extra_env(path, spec), worker=_worker(path, spec))
     for key in ("command", "command_float64"):  # resolve the program now: a missing one is bad input, before any call
         if program.commands["float32" if key == "command" else "float64"] is not None:
             program.argv(program.commands["float32" if key == "command" else "float64"], start_dir, start_dir, key)
