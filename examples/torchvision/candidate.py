@@ -1,7 +1,8 @@
 """A torchvision model as a command candidate: the lab's problem in, torchvision's own forward and backward out.
 
-Usage: python candidate.py REQUEST_DIR RESPONSE_DIR [--model resnet18] [--slip bias-one-sample|first-conv-1pct|
-                                                    first-conv-zeroed]
+Usage: python candidate.py [REQUEST_DIR RESPONSE_DIR] [--model resnet18] [--slip bias-one-sample|first-conv-1pct|
+                                                      first-conv-zeroed]
+(without the two folders and with PRECISION_LAB_WORKER=1 it answers every request on stdin: `worker: true`)
 The YAML's `model:` is the same module ({"module": "torchvision.models:resnet18", …}), so the lab's spec and this
 program are one definition. `--slip` plants a bug a hand-written port makes, so the example shows what the lab says.
 """
@@ -53,9 +54,10 @@ def compute(request, name, slip):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("request")
-    parser.add_argument("response")
+    parser.add_argument("request", nargs="?")  # none in worker mode: the requests come on stdin
+    parser.add_argument("response", nargs="?")
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--slip", choices=["bias-one-sample", "first-conv-1pct", "first-conv-zeroed"])
     args = parser.parse_args()
-    protocol.run(lambda request: compute(request, args.model, args.slip), argv=[args.request, args.response])
+    protocol.run(lambda request: compute(request, args.model, args.slip),
+                 argv=[a for a in (args.request, args.response) if a is not None])
