@@ -244,14 +244,21 @@ class _Importer:
         layer = {"name": layer_name, **read.attrs}  # name, op, then the op's attributes
         previous = self.layers[-1]["name"] if self.layers else NETWORK_INPUT
         arity = 2 if op.combines else 1
-        if len(reads) != arity:
+        if len(reads) != arity and not (op.joins_many and len(reads) > arity):
             self.fail(node, f"reads {len(reads)} computed tensors; the spec's {op.name} reads {arity}")
         # as from_module writes it: the previous layer implied, a second input by `from`, anything else `inputs`
         if arity == 2 and reads[0] == previous and reads[1] != NETWORK_INPUT:
             layer["from"] = reads[1]
         elif reads != [previous]:
             layer["inputs"] = reads
-        shape = self._shape(node, layer, [self.shapes[t] for t in read.reads])
+        shapes = [self.shapes[t] for t in read.reads]
+        if len(shapes) > arity:  # a concat of k > 2 tensors: the chain of two-input concats it expands to
+            link = {k: v for k, v in layer.items() if k not in ("inputs", "from")}
+            shape = shapes[0]
+            for more in shapes[1:]:
+                shape = self._shape(node, link, [shape, more])
+        else:
+            shape = self._shape(node, layer, shapes)
         self.layers.append(layer)
         for suffix, value in read.params.items():
             self.params[f"{layer_name}.{suffix}"] = np.ascontiguousarray(value, dtype=np.float32)

@@ -175,3 +175,26 @@ def test_torchvisions_own_resnet18_is_roundoff_and_its_slips_defects(capsys, tmp
     else:
         failing = [q for q, v in verdict["parameters"].items() if v["verdict"] != "roundoff"]
         assert quantity in failing, failing
+
+
+def test_an_exported_densenet_reads_from_onnx_with_its_many_input_concats(tmp_path):
+    """torchvision's DenseNet exported to ONNX (evaluation mode): its dense blocks' Concat of three and more tensors
+    reads as a chain of concats, and the read network computes what the module computes."""
+    pytest.importorskip("onnx", reason="onnx is in the test extras")
+    from precision_lab.model import read_onnx
+
+    torch.manual_seed(0)
+    module = torchvision.models.densenet.DenseNet(growth_rate=4, block_config=(3, 2), num_init_features=8,
+                                                  num_classes=10).eval()
+    path = tmp_path / "densenet.onnx"
+    torch.onnx.export(module, (torch.randn(2, 3, 40, 40),), str(path), dynamo=False, opset_version=17,
+                      input_names=["x"], dynamic_axes={"x": {0: "N", 2: "H", 3: "W"}})
+    network, params = read_onnx(path, loss="cross_entropy")
+    assert sum(layer.op == "concat" for layer in network.layers) >= 5  # 2 + 3 in block 1's last cat, and block 2's
+    lab = SpecModule(network, dtype=torch.float64)
+    lab.load_state_dict({name: torch.from_numpy(value).double() for name, value in params.items()})
+    x = torch.randn(2, 3, 40, 40, dtype=torch.float64)
+    expected = module.double()(x)
+    # the exporter folds each batch norm into its convolution in float32: 2⁻²⁴ relative per folded weight, a few
+    # ulps through the ~10 layers of products (1e-6 leaves them room, and a wrong layer is off by O(1))
+    assert (lab(x) - expected).abs().max() <= 1e-6 * expected.abs().max()

@@ -214,8 +214,8 @@ class Concat(Op):
         if len(data) == len(node.inputs) == 1:  # a concat of one tensor (DenseNet's first layer): the tensor itself
             return OnnxRead({}, data, node.outputs[0], alias=True)
         require(int(attr(node, "axis", 1)) in (1, -3), f"axis {attr(node, 'axis')}: only channels (axis 1) are joined")
-        require(len(data) == len(node.inputs) == 2, f"{len(node.inputs)} inputs: the spec's concat joins two "
-                f"computed tensors")
+        require(len(data) == len(node.inputs) >= 2, "a constant among its inputs: the spec's concat joins computed "
+                "tensors")
         return OnnxRead({}, data, node.outputs[0])
 
     def from_torch_call(self, target, args, kwargs):
