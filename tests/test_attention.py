@@ -83,7 +83,8 @@ def test_an_image_becomes_tokens_and_a_linear_reads_each_token():
     assert network.output_shape(8, 8) == (3,)
     _walks_as_autograd(network)
     # the weight gradient of a linear over tokens sums over the batch and the tokens
-    assert network.fits(16, 16) and not network.fits(10, 10)
+    # strides floor as PyTorch's: 10×10 gives 2×2 patches (its last two rows and columns dropped), 3×3 none
+    assert network.fits(16, 16) and network.fits(10, 10) and not network.fits(3, 3)
 
 
 def test_flatten_from_another_dim_is_a_reshape_and_from_the_batch_is_refused_with_its_reason():
